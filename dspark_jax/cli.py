@@ -1,0 +1,59 @@
+"""The `dspark` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dspark_jax import generate, load_target
+
+    target = load_target(args.model, dtype=args.dtype)
+    result = generate(
+        target,
+        args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        chat=not args.no_chat,
+    )
+    for i, text in enumerate(result.texts):
+        if len(result.texts) > 1:
+            print(f"--- [{i}]")
+        print(text)
+    print("--- stats", json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.stats.items()}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF folder")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:  # user errors: one clear line, no traceback
+        print(f"dspark: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

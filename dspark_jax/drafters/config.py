@@ -1,0 +1,119 @@
+"""Typed drafter configuration and the interface every drafter implements.
+
+Every drafter kind is a module with these pure functions (dcfg / tcfg static, everything else
+pytrees); the speculative loop in `dspark_jax.spec_decode` only calls these:
+
+    init_params(key, tcfg, dcfg) -> params
+        Trainable drafter params. The target's embedding and LM head are NOT copied in: they are
+        read from `target_params` (shared and frozen).
+    init_state(params, tcfg, dcfg, batch, cache_len) -> state
+        Empty inference state (context cache sized `cache_len` slots; slot s = position s).
+    extend(params, target_params, tcfg, dcfg, state, tokens, features, positions, valid) -> state
+        Append newly committed tokens to the drafter's context: tokens [b, t] int32 at absolute
+        positions [b, t], their target features [b, t, m, e] (layers dcfg.target_layer_ids,
+        None for drafters that read no features), valid [b, t] bool (only valid entries are
+        written; invalid ones must leave the state unchanged).
+    draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, key, sampling)
+        -> (DraftOutput, state)
+        Propose dcfg.block_size tokens after the anchor [b] int32 sitting at position
+        anchor_pos [b] (the anchor itself is committed but not yet in the context: its
+        features do not exist yet). Only context slots < anchor_pos may influence the draft.
+        `sampling` is a dspark_jax.sampling.SamplingConfig: greedy -> argmax tokens; otherwise
+        sample token k from the filtered draft distribution q_k (filtered_probs of the
+        corrected logits) and return q_k in DraftOutput.probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+
+DRAFTER_KINDS = ("dspark", "dflash", "eagle3", "ngram")
+HEAD_TYPES = ("none", "markov", "gated", "rnn")
+
+
+class DrafterConfigError(ValueError):
+    """A drafter configuration that cannot work, with the reason."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DraftOutput:
+    tokens: jax.Array  # [b, G] int32 drafted tokens d_1..d_G
+    probs: jax.Array  # [b, G, V] float32 draft distributions q_1..q_G (one-hot of tokens when greedy)
+    confidence_logits: jax.Array  # [b, G] float32 raw confidence logits z_k (zeros without a head)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """Static drafter settings. Hashable, stored as JSON beside the checkpoint."""
+
+    kind: str = "dspark"  # one of DRAFTER_KINDS
+    block_size: int = 7  # gamma: drafted tokens per round
+    num_layers: int = 2  # drafter transformer layers (DFlash backbone; EAGLE-3 always uses 1)
+    target_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
+    head_type: str = "markov"  # sequential head: none | markov | gated | rnn
+    head_rank: int = 256  # r; 0 means no sequential head (plain DFlash)
+    confidence_head: bool = True
+    draft_vocab_size: int | None = None  # reduced draft vocabulary (top-N target ids) or None
+    mask_token_id: int | None = None  # None: a learned MASK embedding
+    ngram_max: int = 3  # prompt-lookup drafter: longest n-gram to match
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if self.kind not in DRAFTER_KINDS:
+            raise DrafterConfigError(f"unknown drafter kind {self.kind!r}; supported: {', '.join(DRAFTER_KINDS)}")
+        if self.head_type not in HEAD_TYPES:
+            raise DrafterConfigError(f"unknown head type {self.head_type!r}; supported: {', '.join(HEAD_TYPES)}")
+        if self.block_size < 1:
+            raise DrafterConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_layers < 1:
+            raise DrafterConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.head_type != "none" and self.head_rank < 1:
+            raise DrafterConfigError(f"head_type {self.head_type!r} needs head_rank >= 1")
+        ids = list(self.target_layer_ids)
+        if ids != sorted(set(ids)):
+            raise DrafterConfigError(f"target_layer_ids must be strictly increasing, got {self.target_layer_ids}")
+
+    @property
+    def has_head(self) -> bool:
+        return self.head_type != "none" and self.head_rank > 0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DrafterConfig":
+        raw = json.loads(text)
+        raw["target_layer_ids"] = tuple(raw.get("target_layer_ids", ()))
+        return cls(**raw)
+
+
+def default_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """`count` target layers spread evenly from layer 1 to L-3 (DeepSpec's choice), deduplicated."""
+    lo, hi = min(1, num_target_layers - 1), max(0, num_target_layers - 3)
+    if count == 1 or hi <= lo:
+        return (hi,)
+    ids = [round(lo + (hi - lo) * i / (count - 1)) for i in range(count)]
+    return tuple(sorted(set(ids)))
+
+
+def default_config(kind: str, num_target_layers: int, **overrides) -> DrafterConfig:
+    """The standard configuration of each kind for a target with `num_target_layers` layers."""
+    if kind == "dspark":
+        base = dict(kind=kind, block_size=7, num_layers=2, head_type="markov", head_rank=256, confidence_head=True,
+                    target_layer_ids=default_layer_ids(num_target_layers, 5))
+    elif kind == "dflash":
+        base = dict(kind=kind, block_size=7, num_layers=5, head_type="none", head_rank=0, confidence_head=False,
+                    target_layer_ids=default_layer_ids(num_target_layers, 5))
+    elif kind == "eagle3":
+        base = dict(kind=kind, block_size=7, num_layers=1, head_type="none", head_rank=0, confidence_head=False,
+                    target_layer_ids=default_layer_ids(num_target_layers, 3))
+    elif kind == "ngram":
+        base = dict(kind=kind, block_size=7, num_layers=1, head_type="none", head_rank=0, confidence_head=False)
+    else:
+        raise DrafterConfigError(f"unknown drafter kind {kind!r}; supported: {', '.join(DRAFTER_KINDS)}")
+    base.update(overrides)
+    return DrafterConfig(**base)

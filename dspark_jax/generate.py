@@ -1,0 +1,113 @@
+"""The public batched generate API."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decode import decode_loop, prefill
+from dspark_jax.prompts import bucket, encode_prompts, make_batch
+from dspark_jax.sampling import SamplingConfig
+from dspark_jax.target import Target
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    texts: list[str]  # decoded new text per prompt (special tokens and the final EOS dropped)
+    token_ids: list[list[int]]  # new token ids per prompt, EOS included when the row produced one
+    stats: dict[str, Any]
+
+
+class _CompileCache:
+    """Ahead-of-time compiled executables keyed by function, static settings and input shapes."""
+
+    def __init__(self):
+        self._cache: dict = {}
+        self.last_compile_seconds = 0.0
+
+    def get(self, name: str, fn: Callable, static: tuple, args: tuple, donate: tuple[int, ...] = ()):
+        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        key = (name, static, shapes)
+        if key not in self._cache:
+            start = time.perf_counter()
+            self._cache[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            self.last_compile_seconds += time.perf_counter() - start
+        return self._cache[key]
+
+
+COMPILED = _CompileCache()
+
+
+def _decode_texts(tokenizer, token_ids: list[list[int]], eos_ids: Sequence[int]) -> list[str]:
+    if tokenizer is None:
+        return ["" for _ in token_ids]
+    texts = []
+    for ids in token_ids:
+        body = ids[:-1] if ids and ids[-1] in eos_ids else ids
+        texts.append(tokenizer.decode(body, skip_special_tokens=True))
+    return texts
+
+
+def generate(
+    target: Target,
+    prompts: Sequence,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    chat: bool = True,
+    ignore_eos: bool = False,
+) -> GenerateResult:
+    """Generate up to `max_new_tokens` for each prompt; rows stop at their own EOS.
+
+    `prompts` is a list of strings (chat=True wraps each as a user message with the model's chat
+    template) or a list of token-id lists. `ignore_eos=True` always generates `max_new_tokens`
+    (for benchmarks). The whole decode loop runs on the device; shapes are
+    bucketed (batch, prompt length, output length) and compiled ahead once per bucket.
+    """
+    sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p)
+    config = target.config
+    if ignore_eos:
+        config = dataclasses.replace(config, eos_token_ids=())
+    ids = encode_prompts(target.tokenizer, prompts, chat)
+    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+    batch = make_batch(ids, config, max_new_tokens, pad_id)
+    out_len = bucket(max_new_tokens)
+    budget = np.where(np.arange(len(batch.lengths)) < batch.num_rows, max_new_tokens, 0).astype(np.int32)
+    args = (target.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(budget),
+            jax.random.PRNGKey(seed))
+
+    COMPILED.last_compile_seconds = 0.0
+    static = (config, sampling, batch.cache_len, out_len)
+    prefill_part = functools.partial(prefill, config=config, sampling=sampling, cache_len=batch.cache_len,
+                                     out_len=out_len)
+    prefill_fn = COMPILED.get("prefill", prefill_part, static, args)
+    state_shape = jax.eval_shape(prefill_part, *args)
+    loop_fn = COMPILED.get("decode_loop", functools.partial(decode_loop, config=config, sampling=sampling),
+                           static, (target.params, state_shape), donate=(1,))
+    start = time.perf_counter()
+    state = loop_fn(target.params, prefill_fn(*args))
+    out, num_out, forwards = jax.device_get((state.out, state.num_out, state.forwards))
+    wall = time.perf_counter() - start
+
+    token_ids = [out[i, : num_out[i]].tolist() for i in range(batch.num_rows)]
+    new_tokens = int(sum(len(t) for t in token_ids))
+    stats = {
+        "new_tokens": new_tokens,
+        "target_forward_passes": int(forwards),
+        "wall_seconds": wall,
+        "tokens_per_second": new_tokens / wall if wall > 0 else float("inf"),
+        "compile_seconds": COMPILED.last_compile_seconds,
+        "batch_bucket": int(batch.tokens.shape[0]),
+        "prompt_bucket": int(batch.tokens.shape[1]),
+    }
+    texts = _decode_texts(target.tokenizer, token_ids, target.config.eos_token_ids)
+    return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)

@@ -1,0 +1,1 @@
+"""Target model families, their weights and their KV cache."""

@@ -1,0 +1,93 @@
+"""Turning user prompts into padded, bucketed token batches (host side, before the device loop)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from dspark_jax.models.config import ModelConfig
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take (empty, too long for the context, not text or ids)."""
+
+
+def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
+    """Strings -> token ids (chat=True wraps each as one user message); id lists pass through."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise PromptError("prompts must be a list of strings (or of token-id lists), not a single value")
+    if not prompts:
+        raise PromptError("prompts is empty")
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise PromptError("this target has no tokenizer; pass prompts as lists of token ids")
+            if chat:
+                if tokenizer.chat_template is None:
+                    raise PromptError("chat=True but the tokenizer has no chat template; pass chat=False")
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+                )
+                if isinstance(ids, dict) or hasattr(ids, "keys"):
+                    ids = ids["input_ids"]
+            else:
+                ids = tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = prompt
+        else:
+            raise PromptError(f"prompt {i} is neither a string nor a list of token ids")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise PromptError(f"prompt {i} is empty")
+        encoded.append(ids)
+    return encoded
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Round n up to a bucket so compiled shapes stay few: multiples of `minimum` up to 8x it,
+    then steps of an eighth of the enclosing power of two (at most ~12% padding waste)."""
+    if n <= minimum:
+        return minimum
+    step = max(minimum, 1 << max(0, (n - 1).bit_length() - 3))
+    return -(-n // step) * step
+
+
+@dataclasses.dataclass
+class PromptBatch:
+    tokens: np.ndarray  # [batch_bucket, prompt_bucket] int32, right-padded
+    lengths: np.ndarray  # [batch_bucket] int32; padding rows copy row 0 and get a zero budget
+    num_rows: int  # real rows
+    cache_len: int  # slots per row in the KV cache
+
+
+def make_batch(
+    ids: list[list[int]], config: ModelConfig, max_new_tokens: int, pad_id: int, extra_slots: int = 0
+) -> PromptBatch:
+    """Pad prompts to a bucketed [batch, length] array; check every row fits the context."""
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = config.max_position_embeddings
+    for i, row in enumerate(ids):
+        need = len(row) + max_new_tokens + extra_slots
+        if need > limit:
+            raise PromptError(
+                f"prompt {i} has {len(row)} tokens; with max_new_tokens={max_new_tokens} it needs {need} "
+                f"positions but the model's context is {limit}"
+            )
+        bad = [t for t in row if not 0 <= t < config.vocab_size]
+        if bad:
+            raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {config.vocab_size}): {bad[:5]}")
+    rows = 1 << (len(ids) - 1).bit_length()  # powers of two
+    longest = max(len(r) for r in ids)
+    width = bucket(longest)
+    tokens = np.full((rows, width), pad_id, np.int32)
+    lengths = np.zeros((rows,), np.int32)
+    for i in range(rows):
+        row = ids[i] if i < len(ids) else ids[0]
+        tokens[i, : len(row)] = row
+        lengths[i] = len(row)
+    cache_len = bucket(width + max_new_tokens + extra_slots, minimum=128)
+    return PromptBatch(tokens=tokens, lengths=lengths, num_rows=len(ids), cache_len=cache_len)

@@ -1,0 +1,50 @@
+"""The loaded target model: config, params on the device, tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.models.loading import DEFAULT_MODEL, converted_gguf, load_hf_folder, resolve_model_path
+from dspark_jax.models.tokenizer import load_tokenizer_dir
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class Target:
+    """A target model ready to run: `params` is a pytree of device arrays in `dtype`."""
+
+    config: ModelConfig
+    params: dict
+    tokenizer: Any  # transformers fast tokenizer (chat template included) or None
+    name: str
+    dtype: Any = jnp.float32
+
+
+def _as_dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: float32, bfloat16")
+    return jnp.dtype(dtype).type
+
+
+def load_target(name_or_path: str = DEFAULT_MODEL, dtype="float32") -> Target:
+    """Load a target model by name (`smollm2-135m`), from a .gguf file, or from an HF folder."""
+    dtype = _as_dtype(dtype)
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        config, params = load_hf_folder(path)
+        tokenizer = load_tokenizer_dir(path)
+    else:
+        config, params, tokenizer = converted_gguf(path)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    return Target(config=config, params=params, tokenizer=tokenizer, name=name_or_path, dtype=dtype)

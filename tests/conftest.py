@@ -1,0 +1,64 @@
+"""Shared test fixtures: tiny random Hugging Face models saved to disk, the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Tests compare against float32 references; keep XLA from using reduced-precision matmuls.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+
+def make_tiny_hf_model(directory: str, family: str, tie: bool, seed: int = 0, **overrides):
+    """Save a random tiny transformers model of `family` to `directory`; return the torch model."""
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=5000.0,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    common.update(overrides)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():  # default init leaves norms at 1 and biases at 0; randomise them so they matter
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def real_target():
+    from dspark_jax import load_target
+
+    return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def real_hf():
+    """transformers' own load of the same GGUF file (torch, float32) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark_jax.models.loading import resolve_model_path
+
+    path = resolve_model_path("smollm2-135m")
+    folder, name = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tokenizer

@@ -1,0 +1,382 @@
+"""Tests for lossless block verification (jnp reference and Pallas kernel).
+
+Statistical tests use fixed seeds and a chi-square threshold at z = 5 (one-sided
+p ~ 3e-7, Wilson-Hilferty quantile), so the correct rule passes reliably while
+deliberately biased rules (checked explicitly) fail by a wide margin.
+"""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import verify_block as pallas_verify_block
+from dspark_jax.verify import (DEFAULT_CHUNK, sample_from_probs, verify_block,
+                               verify_greedy)
+
+G = 4
+V = 16
+N = 100_000
+Z = 5.0
+
+
+# ----------------------------------------------------------------- helpers
+def _chi2_threshold(df, z=Z):
+    """Wilson-Hilferty upper quantile of chi-square(df) at standard score z."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * np.sqrt(c)) ** 3
+
+
+def _chi2(samples, probs):
+    """(stat, threshold) of a goodness-of-fit test of int samples vs probs.
+
+    Cells with expected count < 5 are pooled; any sample in a zero-probability
+    cell makes the statistic infinite.
+    """
+    probs = np.asarray(probs, np.float64).ravel()
+    probs = probs / probs.sum()
+    counts = np.bincount(np.asarray(samples).ravel(), minlength=probs.size)
+    assert counts.size == probs.size
+    n = counts.sum()
+    if np.any(counts[probs == 0] > 0):
+        return np.inf, 0.0
+    expected = n * probs
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    return stat, _chi2_threshold(max(obs.size - 1, 1))
+
+
+def _normalise(x):
+    x = np.asarray(x, np.float64)
+    return (x / x.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def _case(name, seed=0):
+    """Per-position target p [G+1, V] and draft q [G, V] for a named scenario."""
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(V), size=G + 1)
+    if name == "random":
+        q = rng.dirichlet(np.ones(V), size=G)
+    elif name == "equal":
+        q = p[:G].copy()
+    elif name == "disjoint":
+        p[:, V // 2:] = 0.0
+        q = rng.dirichlet(np.ones(V), size=G)
+        q[:, : V // 2] = 0.0
+    elif name == "peaked":
+        p = rng.dirichlet(np.full(V, 0.05), size=G + 1)
+        p = 0.97 * np.eye(V)[rng.integers(0, V, G + 1)] + 0.03 * p
+        q = 0.9 * np.eye(V)[rng.integers(0, V, G)] + 0.1 * rng.dirichlet(
+            np.full(V, 0.05), size=G)
+    elif name == "draft_zeros":
+        q = rng.dirichlet(np.ones(V), size=G)
+        q[:, : V // 3] = 0.0  # target positive there, draft can't propose them
+    else:
+        raise ValueError(name)
+    return _normalise(p), _normalise(q)
+
+
+CASES = ["random", "equal", "disjoint", "peaked", "draft_zeros"]
+
+
+def _draw_inputs(p, q, length, n, seed):
+    """Broadcast one case to n rows; drafts d_k ~ q_k, uniforms ~ U[0, 1)."""
+    rng = np.random.default_rng(seed)
+    q64 = q.astype(np.float64) / q.astype(np.float64).sum(-1, keepdims=True)
+    tok = np.stack([rng.choice(V, size=n, p=q64[k]) for k in range(G)], 1)
+    tok = tok.astype(np.int32)  # [n, G]
+    lengths = np.full((n,), length, np.int32)
+    u = rng.random((n, G + 1), dtype=np.float32)  # [n, G+1]
+    return tok, lengths, u
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_broadcast(fn, tok, p, q, lengths, u):
+    """Run a verifier with p/q broadcast to every row (saves host memory)."""
+    n = tok.shape[0]
+    pb = jnp.broadcast_to(p, (n,) + p.shape)  # [n, G+1, V]
+    qb = jnp.broadcast_to(q, (n,) + q.shape)  # [n, G, V]
+    return fn(tok, qb, pb, lengths, u)
+
+
+def _first_two(tok, n_acc, nxt, p_second, seed):
+    """First two emitted tokens of [d_1..d_n, next]; if only `next` was emitted
+    the second token comes from the next round, whose first token is p_2
+    distributed (synthetic targets don't depend on the prefix)."""
+    rng = np.random.default_rng(seed)
+    tok, n_acc, nxt = map(np.asarray, (tok, n_acc, nxt))
+    first = np.where(n_acc >= 1, tok[:, 0], nxt)
+    second = np.where(n_acc >= 2, tok[:, 1], nxt)
+    fresh = rng.choice(V, size=tok.shape[0], p=p_second / p_second.sum())
+    second = np.where(n_acc == 0, fresh, second)
+    return first, second
+
+
+# ------------------------------------------------------- biased variants
+def _biased_verify(kind, draft_tokens, draft_probs, target_probs, lengths,
+                   uniforms):
+    """Deliberately wrong verifiers, used to prove the tests have power."""
+    b, g = draft_tokens.shape
+    p_d = jnp.take_along_axis(target_probs[:, :g], draft_tokens[..., None],
+                              -1)[..., 0]
+    q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], -1)[..., 0]
+    u = uniforms[:, :g]
+    if kind == "accept_q_over_p":  # accept w.p. min(1, q/p): wrong ratio
+        acc = u * p_d < q_d
+    else:
+        acc = u * q_d < p_d
+    valid = jnp.arange(g)[None] < lengths[:, None]
+    n = jnp.sum(jnp.cumprod((acc & valid).astype(jnp.int32), 1), 1)
+    p_row = jnp.take_along_axis(target_probs, n[:, None, None], 1)[:, 0]
+    q_row = jnp.take_along_axis(draft_probs, jnp.minimum(n, g - 1)[:, None, None],
+                                1)[:, 0]
+    res = jnp.maximum(p_row - q_row, 0.0)
+    if kind == "correction_from_p":  # correction sampled from p, not residual
+        res = p_row
+    use_res = (n < lengths) & jnp.any(res > 0, -1)
+    dist = jnp.where(use_res[:, None], res, p_row)
+    return n, sample_from_probs(dist, uniforms[:, g])
+
+
+# --------------------------------------------------------- test: lossless
+@pytest.mark.parametrize("name", CASES)
+def test_reference_lossless_first_token(name):
+    p, q = _case(name)
+    for length in range(G + 1):
+        tok, lengths, u = _draw_inputs(p, q, length, N, seed=10 + length)
+        n_acc, nxt = _run_broadcast(verify_block, tok, p, q, lengths, u)
+        n_acc = np.asarray(n_acc)
+        assert np.all(n_acc <= length) and np.all(n_acc >= 0)
+        first, _ = _first_two(tok, n_acc, nxt, p[1], seed=0)
+        stat, thr = _chi2(first, p[0])
+        assert stat < thr, (name, length, stat, thr)
+
+
+@pytest.mark.parametrize("name", ["random", "draft_zeros", "peaked"])
+def test_reference_lossless_first_two_tokens(name):
+    p, q = _case(name, seed=1)
+    for length in (1, 2, G):
+        tok, lengths, u = _draw_inputs(p, q, length, N, seed=20 + length)
+        n_acc, nxt = _run_broadcast(verify_block, tok, p, q, lengths, u)
+        first, second = _first_two(tok, n_acc, nxt, p[1], seed=length)
+        joint = np.outer(p[0].astype(np.float64), p[1].astype(np.float64))
+        stat, thr = _chi2(first * V + second, joint)
+        assert stat < thr, (name, length, stat, thr)
+
+
+@pytest.mark.parametrize("kind", ["correction_from_p", "accept_q_over_p"])
+def test_biased_rules_are_detected(kind):
+    """The same checks that pass above must reject a biased verifier."""
+    p, q = _case("random")
+    length = 2
+    tok, lengths, u = _draw_inputs(p, q, length, N, seed=10 + length)
+    biased = functools.partial(_biased_verify, kind)
+    n_acc, nxt = _run_broadcast(biased, tok, p, q, lengths, u)
+    first, _ = _first_two(tok, n_acc, nxt, p[1], seed=0)
+    stat, thr = _chi2(first, p[0])
+    assert stat > 3 * thr, (kind, stat, thr)
+    # Control: the correct rule passes on identical inputs.
+    n_acc, nxt = _run_broadcast(verify_block, tok, p, q, lengths, u)
+    first, _ = _first_two(tok, n_acc, nxt, p[1], seed=0)
+    stat, thr = _chi2(first, p[0])
+    assert stat < thr
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pallas_lossless_first_token(name):
+    p, q = _case(name, seed=2)
+    n = 50_000
+    for length in (1, G):
+        tok, lengths, u = _draw_inputs(p, q, length, n, seed=30 + length)
+        n_acc, nxt = _run_broadcast(pallas_verify_block, tok, p, q, lengths, u)
+        first, second = _first_two(tok, n_acc, nxt, p[1], seed=length)
+        stat, thr = _chi2(first, p[0])
+        assert stat < thr, (name, length, stat, thr)
+        if length == G:
+            joint = np.outer(p[0].astype(np.float64), p[1].astype(np.float64))
+            stat, thr = _chi2(first * V + second, joint)
+            assert stat < thr, (name, "joint", stat, thr)
+
+
+# ------------------------------------------------ test: Pallas == reference
+def _random_block(rng, b, g, v, alpha=0.1):
+    p = rng.dirichlet(np.full(v, alpha), size=(b, g + 1)).astype(np.float32)
+    q = rng.dirichlet(np.full(v, alpha), size=(b, g)).astype(np.float32)
+    tok = rng.integers(0, v, size=(b, g)).astype(np.int32)
+    half = b // 2  # half the rows draft the draft-argmax -> long accept runs
+    tok[:half] = np.argmax(q[:half], -1)
+    lengths = rng.integers(0, g + 1, size=b).astype(np.int32)
+    lengths[0], lengths[1] = 0, g
+    u = rng.random((b, g + 1), dtype=np.float32)
+    return tok, q, p, lengths, u
+
+
+def _adversarial_block(rng, b=16, g=5, v=1000):
+    tok, q, p, lengths, u = _random_block(rng, b, g, v)
+    # rows 2-3: p == q exactly -> every in-support draft accepted
+    q[2:4] = p[2:4, :g]
+    tok[2:4] = np.argmax(q[2:4], -1)
+    lengths[2:4] = g
+    # rows 4-5: p == q with zeros; draft a zero-mass token -> reject with an
+    # all-zero residual -> fallback to sampling p
+    p[4:6, :, : v // 2] = 0.0
+    p[4:6] = _normalise(p[4:6])
+    q[4:6] = p[4:6, :g]
+    tok[4:6] = 0
+    lengths[4:6] = g
+    # rows 6-7: extreme uniforms
+    u[6] = 0.0
+    u[7] = np.float32(0.9999999)
+    # row 8: draft q == 0 at the draft token (must accept when p > 0)
+    tok[8] = np.argmax(p[8, :g], -1)
+    q[8, np.arange(g), tok[8]] = 0.0
+    lengths[8] = g
+    # row 9: padding drafts beyond the length are ignored
+    lengths[9] = 2
+    tok[9, 2:] = -1
+    # row 10: dyadic target, uniform lands exactly on a CDF boundary
+    lengths[10] = 0
+    p[10, 0] = 0.0
+    p[10, 0, [3, 300, 600, 999]] = 0.25
+    u[10, g] = 0.5
+    # rows 11-15: u_G aimed at (float32) CDF boundaries of the next target row
+    for r in range(11, b):
+        lengths[r] = 0
+        c = np.cumsum(p[r, 0].astype(np.float64))
+        u[r, g] = np.float32(c[rng.integers(0, v)] / c[-1])
+    return tok, q, p, lengths, u
+
+
+@pytest.mark.parametrize("chunk_size", [128, 256, DEFAULT_CHUNK])
+def test_pallas_matches_reference_exactly(chunk_size):
+    rng = np.random.default_rng(chunk_size)
+    blocks = [_adversarial_block(rng)] + [
+        _random_block(rng, 16, 5, 1000) for _ in range(3)]
+    for args in blocks:
+        ref = verify_block(*args, chunk_size=chunk_size)
+        pal = pallas_verify_block(*args, chunk_size=chunk_size, interpret=True)
+        assert np.array_equal(np.asarray(ref[0]), np.asarray(pal[0]))
+        assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
+    # the adversarial rows behave as specified
+    tok, q, p, lengths, u = blocks[0]
+    n_acc, nxt = map(np.asarray, verify_block(*blocks[0], chunk_size=chunk_size))
+    assert n_acc[0] == 0 and np.all(n_acc[2:4] == 5) and np.all(n_acc[4:6] == 0)
+    assert np.all(p[4:6, 0, nxt[4:6]] > 0)  # fallback sampled p_0, not junk
+    assert n_acc[8] >= 1 and n_acc[9] <= 2
+    assert nxt[10] == 600  # t == 0.5 == cdf(300) exactly -> next positive
+
+
+def test_pallas_matches_reference_large_vocab_and_jit():
+    rng = np.random.default_rng(7)
+    args = _random_block(rng, 4, 3, 49152, alpha=0.05)
+    ref = jax.jit(verify_block)(*args)
+    pal = jax.jit(pallas_verify_block)(*args)
+    assert np.array_equal(np.asarray(ref[0]), np.asarray(pal[0]))
+    assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
+
+
+def test_zero_draft_length_block():
+    rng = np.random.default_rng(6)
+    p = _normalise(rng.random((8, 1, 40)))  # [B, G+1, V] with G == 0
+    q = np.zeros((8, 0, 40), np.float32)
+    tok = np.zeros((8, 0), np.int32)
+    u = rng.random((8, 1), dtype=np.float32)
+    lengths = np.zeros((8,), np.int32)
+    ref = verify_block(tok, q, p, lengths, u)
+    pal = pallas_verify_block(tok, q, p, lengths, u)
+    np.testing.assert_array_equal(np.asarray(ref[0]), 0)
+    np.testing.assert_array_equal(np.asarray(ref[1]),
+                                  np.asarray(sample_from_probs(p[:, 0], u[:, 0])))
+    assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
+    assert np.array_equal(np.asarray(pal[0]), np.asarray(ref[0]))
+
+
+def test_chunk_constants_agree():
+    # `pallas_kernels.verify_block` is the function; fetch the module itself.
+    kmod = importlib.import_module("pallas_kernels.verify_block")
+    vmod = importlib.import_module("dspark_jax.verify")
+    assert pallas_kernels.verify_block is kmod.verify_block
+    assert kmod.DEFAULT_CHUNK == vmod.DEFAULT_CHUNK
+    for v in (1, 7, 16, 1000, 49152):
+        for c in (64, 1024):
+            assert kmod.effective_chunk(v, c) == vmod.effective_chunk(v, c)
+
+
+# ------------------------------------------------------ sample_from_probs
+def test_sample_from_probs_edges():
+    probs = jnp.array([[0.0, 0.25, 0.0, 0.25, 0.5]] * 5 + [[0.0] * 5],
+                      jnp.float32)
+    u = jnp.array([0.0, 0.25, 0.5, 0.9999999, 0.3, 0.7], jnp.float32)
+    out = np.asarray(sample_from_probs(probs, u))
+    # u=0 -> first positive; t on a boundary -> next positive token;
+    # u->1 -> last positive; all-zero row -> 0
+    np.testing.assert_array_equal(out, [1, 3, 4, 4, 3, 0])
+
+
+def test_sample_from_probs_matches_float64_cdf():
+    rng = np.random.default_rng(3)
+    probs = rng.dirichlet(np.full(49152, 0.05), size=32).astype(np.float32)
+    probs[:, ::7] = 0.0
+    u = rng.random(32, dtype=np.float32)
+    out = np.asarray(sample_from_probs(probs, u))
+    c = np.cumsum(probs.astype(np.float64), -1)
+    want = np.array([np.searchsorted(c[i], u[i] * c[i, -1], side="right")
+                     for i in range(32)])
+    assert np.all(probs[np.arange(32), out] > 0)
+    assert np.mean(out == want) >= 0.9  # differ only within float32 round-off
+    rows = np.arange(32)
+    hi = c[rows, out] / c[:, -1]  # float64 CDF just after / before the sample
+    lo = (c[rows, out] - probs[rows, out]) / c[:, -1]
+    assert np.all((lo <= u + 1e-5) & (hi >= u - 1e-5))
+
+
+# ------------------------------------------------------------ greedy
+def test_verify_greedy_matches_loop():
+    rng = np.random.default_rng(4)
+    b, g, v = 256, 6, 11
+    logits = rng.normal(size=(b, g + 1, v)).astype(np.float32)
+    best = np.argmax(logits, -1)
+    tok = np.where(rng.random((b, g)) < 0.8, best[:, :g],
+                   rng.integers(0, v, (b, g))).astype(np.int32)
+    lengths = rng.integers(0, g + 1, b).astype(np.int32)
+    n_acc, nxt = map(np.asarray, verify_greedy(tok, logits, lengths))
+    for r in range(b):
+        n = 0
+        while n < lengths[r] and tok[r, n] == best[r, n]:
+            n += 1
+        assert n_acc[r] == n and nxt[r] == best[r, n], r
+
+
+# ------------------------------------------------------ invariants
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_invariants_on_random_inputs(impl):
+    rng = np.random.default_rng(5)
+    b, g, v = 512, 6, 50
+    tok, q, p, lengths, u = _random_block(rng, b, g, v, alpha=0.3)
+    p[rng.random(p.shape) < 0.3] = 0.0
+    q[rng.random(q.shape) < 0.3] = 0.0
+    p[:, :, 0] += 1e-3  # keep every target row non-empty
+    p, q = _normalise(p), _normalise(q)
+    fn = verify_block if impl == "reference" else pallas_verify_block
+    n_acc, nxt = map(np.asarray, fn(tok, q, p, lengths, u, chunk_size=16))
+    other = pallas_verify_block if impl == "reference" else verify_block
+    n2, nxt2 = map(np.asarray, other(tok, q, p, lengths, u, chunk_size=16))
+    assert np.array_equal(n_acc, n2) and np.array_equal(nxt, nxt2)
+    assert n_acc.dtype == np.int32 and nxt.dtype == np.int32
+    assert np.all((n_acc >= 0) & (n_acc <= lengths))
+    rows = np.arange(b)
+    p_next = p[rows, n_acc, nxt]
+    q_next = q[rows, np.minimum(n_acc, g - 1), nxt]
+    rejected = n_acc < lengths
+    res_any = np.any(p[rows, n_acc] > q[rows, np.minimum(n_acc, g - 1)], -1)
+    ok = np.where(rejected & res_any, p_next > q_next, p_next > 0)
+    assert np.all(ok)
+    assert 0 < np.mean(rejected) < 1  # both branches exercised
