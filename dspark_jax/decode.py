@@ -37,6 +37,39 @@ def is_eos(tokens: jax.Array, config: ModelConfig) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(config.eos_token_ids, jnp.int32))
 
 
+def prefill_target(
+    params: dict,
+    prompt_tokens: jax.Array,  # [b, p] int32, right-padded
+    prompt_lens: jax.Array,  # [b] int32
+    key: jax.Array,
+    *,
+    config: ModelConfig,
+    sampling: SamplingConfig,
+    cache_len: int,
+    feature_layers: tuple[int, ...] = (),
+):
+    """Prompt through the target: (cache with lengths = prompt_lens, first sampled token [b],
+    features [b, p, m, e] or None, key)."""
+    b, p = prompt_tokens.shape
+    cache = init_cache(config, b, cache_len, params["embed"].dtype)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden, cache, features = forward(params, config, prompt_tokens, positions, cache, feature_layers)
+    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [b, e]
+    key, sub = jax.random.split(key)
+    first = sample_tokens(logits_from_hidden(params, last), sub, sampling)
+    cache = dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32))
+    return cache, first, features, key
+
+
+def first_outputs(first: jax.Array, budget: jax.Array, out_len: int, config: ModelConfig):
+    """Output buffer, counts and done flags after the prefill's token: (out, num_out, done)."""
+    active = budget > 0
+    out = jnp.zeros((first.shape[0], out_len), jnp.int32).at[:, 0].set(jnp.where(active, first, 0))
+    num_out = active.astype(jnp.int32)
+    done = ~active | is_eos(first, config) | (num_out >= budget)
+    return out, num_out, done
+
+
 def prefill(
     params: dict,
     prompt_tokens: jax.Array,  # [b, p] int32, right-padded
@@ -50,18 +83,9 @@ def prefill(
     out_len: int,
 ) -> DecodeState:
     """Run the prompt through the target, fill the cache and sample the first new token."""
-    b, p = prompt_tokens.shape
-    cache = init_cache(config, b, cache_len, params["embed"].dtype)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, cache, _ = forward(params, config, prompt_tokens, positions, cache)
-    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [b, e]
-    key, sub = jax.random.split(key)
-    first = sample_tokens(logits_from_hidden(params, last), sub, sampling)
-    cache = dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32))
-    active = budget > 0
-    out = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(jnp.where(active, first, 0))
-    num_out = active.astype(jnp.int32)
-    done = ~active | is_eos(first, config) | (num_out >= budget)
+    cache, first, _, key = prefill_target(params, prompt_tokens, prompt_lens, key, config=config,
+                                          sampling=sampling, cache_len=cache_len)
+    out, num_out, done = first_outputs(first, budget, out_len, config)
     return DecodeState(cache=cache, pending=first, out=out, num_out=num_out, budget=budget, done=done,
                        key=key, forwards=jnp.ones((), jnp.int32))
 

@@ -64,37 +64,63 @@ def generate(
     top_p: float | None = None,
     seed: int = 0,
     chat: bool = True,
+    drafter=None,
+    block_size: int | None = None,
+    verifier: str = "jnp",
+    profile: bool = True,
     ignore_eos: bool = False,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt; rows stop at their own EOS.
 
     `prompts` is a list of strings (chat=True wraps each as a user message with the model's chat
     template) or a list of token-id lists. `ignore_eos=True` always generates `max_new_tokens`
-    (for benchmarks). The whole decode loop runs on the device; shapes are
-    bucketed (batch, prompt length, output length) and compiled ahead once per bucket.
+    (for benchmarks).
+
+    With `drafter` (from `init_drafter`, `load_drafter`, or the name "ngram") generation is
+    speculative: each round drafts `block_size` tokens (default: the drafter's), verifies them in
+    one target forward and commits the accepted prefix; the output distribution is the target's
+    (identical tokens when greedy). `verifier` picks the jnp reference or the "pallas" kernel.
+    `profile` adds a per-round cost split (measured once per compiled shape) to the stats.
+
+    The whole decode loop runs on the device; shapes are bucketed (batch, prompt length, output
+    length) and compiled ahead once per bucket.
     """
     sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p)
     config = target.config
     if ignore_eos:
         config = dataclasses.replace(config, eos_token_ids=())
+    if verifier not in ("jnp", "pallas"):
+        raise ValueError(f"verifier must be 'jnp' or 'pallas', got {verifier!r}")
+    dconfig = None
+    if drafter is not None:
+        if isinstance(drafter, str):
+            from dspark_jax.drafters import load_drafter
+
+            drafter = load_drafter(drafter, target)
+        drafter.check_target(target.config)
+        dconfig = drafter.config
+        if block_size is not None:
+            if block_size < 1:
+                raise ValueError(f"block_size must be >= 1, got {block_size}")
+            dconfig = dataclasses.replace(dconfig, block_size=int(block_size))
+    elif block_size is not None:
+        raise ValueError("block_size needs a drafter (drafter=None is plain autoregressive decoding)")
+
     ids = encode_prompts(target.tokenizer, prompts, chat)
     pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    batch = make_batch(ids, config, max_new_tokens, pad_id)
+    extra = 0 if dconfig is None else dconfig.block_size + 1
+    batch = make_batch(ids, config, max_new_tokens, pad_id, extra_slots=extra)
     out_len = bucket(max_new_tokens)
     budget = np.where(np.arange(len(batch.lengths)) < batch.num_rows, max_new_tokens, 0).astype(np.int32)
-    args = (target.params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(budget),
-            jax.random.PRNGKey(seed))
-
+    inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(budget), jax.random.PRNGKey(seed))
     COMPILED.last_compile_seconds = 0.0
-    static = (config, sampling, batch.cache_len, out_len)
-    prefill_part = functools.partial(prefill, config=config, sampling=sampling, cache_len=batch.cache_len,
-                                     out_len=out_len)
-    prefill_fn = COMPILED.get("prefill", prefill_part, static, args)
-    state_shape = jax.eval_shape(prefill_part, *args)
-    loop_fn = COMPILED.get("decode_loop", functools.partial(decode_loop, config=config, sampling=sampling),
-                           static, (target.params, state_shape), donate=(1,))
+    if dconfig is None:
+        run, extra_stats = _plain_program(target, config, sampling, batch.cache_len, out_len, inputs)
+    else:
+        run, extra_stats = _spec_program(target, config, drafter, dconfig, sampling, batch.cache_len, out_len,
+                                         verifier, profile, inputs)
     start = time.perf_counter()
-    state = loop_fn(target.params, prefill_fn(*args))
+    state = run()
     out, num_out, forwards = jax.device_get((state.out, state.num_out, state.forwards))
     wall = time.perf_counter() - start
 
@@ -109,5 +135,60 @@ def generate(
         "batch_bucket": int(batch.tokens.shape[0]),
         "prompt_bucket": int(batch.tokens.shape[1]),
     }
+    stats.update(extra_stats(state))
     texts = _decode_texts(target.tokenizer, token_ids, target.config.eos_token_ids)
     return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)
+
+
+def _plain_program(target, config, sampling, cache_len, out_len, inputs):
+    """Compiled prefill + autoregressive loop; returns (run, stats_fn)."""
+    static = (config, sampling, cache_len, out_len)
+    prefill_part = functools.partial(prefill, config=config, sampling=sampling, cache_len=cache_len, out_len=out_len)
+    args = (target.params, *inputs)
+    prefill_fn = COMPILED.get("prefill", prefill_part, static, args)
+    state_shape = jax.eval_shape(prefill_part, *args)
+    loop_fn = COMPILED.get("decode_loop", functools.partial(decode_loop, config=config, sampling=sampling),
+                           static, (target.params, state_shape), donate=(1,))
+    return (lambda: loop_fn(target.params, prefill_fn(*args))), (lambda state: {})
+
+
+_PROFILES: dict = {}
+
+
+def _spec_program(target, config, drafter, dconfig, sampling, cache_len, out_len, verifier, profile, inputs):
+    """Compiled speculative prefill + round loop; returns (run, stats_fn)."""
+    from dspark_jax.spec_decode import SpecSettings, profile_round, spec_loop, spec_prefill
+
+    settings = SpecSettings(config=config, dconfig=dconfig, sampling=sampling, cache_len=cache_len,
+                            out_len=out_len, verifier=verifier)
+    static = (settings,)
+    args = (target.params, drafter.params, *inputs)
+    prefill_part = functools.partial(spec_prefill, s=settings)
+    prefill_fn = COMPILED.get("spec_prefill", prefill_part, static, args)
+    state_shape = jax.eval_shape(prefill_part, *args)
+    loop_fn = COMPILED.get("spec_loop", functools.partial(spec_loop, s=settings), static,
+                           (target.params, drafter.params, state_shape), donate=(2,))
+    split = {}
+    if profile:
+        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        key = (settings, shapes, id(drafter.params))
+        if key not in _PROFILES:
+            _PROFILES[key] = profile_round(target.params, drafter.params, prefill_fn(*args), s=settings)
+        split = _PROFILES[key]
+
+    def stats(state):
+        row_rounds, committed, tried, accepted = jax.device_get(
+            (state.row_rounds, state.committed, state.tried, state.accepted))
+        result = {
+            "drafter": dconfig.kind,
+            "block_size": dconfig.block_size,
+            "tau": float(committed) / max(int(row_rounds), 1),
+            "acceptance_per_position": [float(a) / float(t) if t else None for a, t in zip(accepted, tried)],
+            "verify_rounds": int(state.forwards) - 1,
+        }
+        result.update(split)
+        if split:
+            result["drafter_to_target_time"] = split["drafter_seconds_per_round"] / split["target_seconds_per_round"]
+        return result
+
+    return (lambda: loop_fn(target.params, drafter.params, prefill_fn(*args))), stats

@@ -1,0 +1,329 @@
+"""DFlash parallel backbone with DSpark's anchor-as-first-position layout (DESIGN 3.1-3.3).
+
+Serves drafter kinds "dspark" and "dflash"; they differ only by config (dflash: head_type
+"none", no confidence head). Implements the interface of `dspark_jax.drafters.config`.
+
+A block of G = block_size inputs [E(anchor), MASK x (G-1)] at rotary positions p..p+G-1 runs
+through drafter layers shaped exactly like the target's (so the target's project_qkv /
+mlp_residual apply to one layer's slice with the target ModelConfig). Queries come from the
+block; keys/values are the context (committed positions < p, built from projected target
+features) plus the block itself, bidirectionally. The target's frozen embedding and LM head are
+read from `target_params`, never copied into the drafter params.
+
+Params (dict):
+    w_c        [m*e, e]   ctx_norm [e]    ctx_i = RMSNorm(W_c f_i)
+    layers     stacked like the target's layers: attn_norm, wq, wk, wv, wo, (bq, bk, bv),
+               (q_norm, k_norm), mlp_norm, w_gate, w_up, w_down, each [num_layers, ...]
+    final_norm [e]
+    mask_embed [e]        only when dcfg.mask_token_id is None
+    head       heads.init_head         only when dcfg.has_head
+    confidence heads.init_confidence   only when dcfg.confidence_head
+    draft_vocab [N] int32 only with dcfg.draft_vocab_size: target ids of the reduced vocabulary.
+               Not trainable: keep it out of the optimizer (and pass allow_int=True to jax.grad
+               or split it off before differentiating).
+
+Einsum letters: b batch, a block (anchor), q / r query / key position inside a block, s context
+slot, k KV head, g query heads per KV head, d head dim, e model dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.drafters import heads
+from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
+from dspark_jax.models.config import ModelConfig
+from dspark_jax.models.layers import rms_norm, rope_inv_freq
+from dspark_jax.models.transformer import embed, lm_head_weight, mlp_residual, project_qkv
+from dspark_jax.sampling import SamplingConfig, filtered_probs, sample_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DFlashState:
+    """Drafter context cache: roped keys and values of ctx_i per drafter layer, slot s = position s.
+
+    Slots at or past a row's anchor position may hold stale entries from rejected drafts; `draft`
+    masks them by position, so they never need erasing.
+    """
+
+    k: jax.Array  # [layers, b, cache_len, kv_heads, head_dim]
+    v: jax.Array  # [layers, b, cache_len, kv_heads, head_dim]
+
+
+def _check(tcfg: ModelConfig, dcfg: DrafterConfig) -> None:
+    if not dcfg.target_layer_ids:
+        raise DrafterConfigError("a DFlash/DSpark drafter needs target_layer_ids (the features it reads)")
+    if dcfg.draft_vocab_size is not None and not 0 < dcfg.draft_vocab_size <= tcfg.vocab_size:
+        raise DrafterConfigError(
+            f"draft_vocab_size must be in [1, {tcfg.vocab_size}], got {dcfg.draft_vocab_size}")
+
+
+def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
+    _check(tcfg, dcfg)
+    e, f, d = tcfg.hidden_size, tcfg.intermediate_size, tcfg.head_dim
+    nl, hq, hkv = dcfg.num_layers, tcfg.num_heads * d, tcfg.num_kv_heads * d
+    m = len(dcfg.target_layer_ids)
+    keys = iter(jax.random.split(key, 12))
+
+    def normal(shape):
+        return 0.02 * jax.random.normal(next(keys), shape, jnp.float32)
+
+    layers = {
+        "attn_norm": jnp.ones((nl, e)), "mlp_norm": jnp.ones((nl, e)),
+        "wq": normal((nl, e, hq)), "wk": normal((nl, e, hkv)), "wv": normal((nl, e, hkv)),
+        "wo": normal((nl, hq, e)),
+        "w_gate": normal((nl, e, f)), "w_up": normal((nl, e, f)), "w_down": normal((nl, f, e)),
+    }
+    if tcfg.attention_bias:
+        layers.update(bq=jnp.zeros((nl, hq)), bk=jnp.zeros((nl, hkv)), bv=jnp.zeros((nl, hkv)))
+    if tcfg.qk_norm:
+        layers.update(q_norm=jnp.ones((nl, d)), k_norm=jnp.ones((nl, d)))
+    params = {"w_c": normal((m * e, e)), "ctx_norm": jnp.ones((e,)), "layers": layers,
+              "final_norm": jnp.ones((e,))}
+    if dcfg.mask_token_id is None:
+        params["mask_embed"] = normal((e,))
+    if dcfg.has_head:
+        params["head"] = heads.init_head(next(keys), tcfg, dcfg)
+    if dcfg.confidence_head:
+        params["confidence"] = heads.init_confidence(next(keys), tcfg, dcfg)
+    if dcfg.draft_vocab_size is not None:
+        params["draft_vocab"] = jnp.arange(dcfg.draft_vocab_size, dtype=jnp.int32)
+    return params
+
+
+def init_state(params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, batch: int, cache_len: int) -> DFlashState:
+    shape = (dcfg.num_layers, batch, cache_len, tcfg.num_kv_heads, tcfg.head_dim)
+    dtype = params["w_c"].dtype
+    return DFlashState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+# ----------------------------------------------------------------------------- backbone
+def _context_kv(params: dict, tcfg: ModelConfig, features: jax.Array, positions: jax.Array):
+    """Features [b, t, m, e] at positions [b, t] -> roped K and V [layers, b, t, kv_heads, d].
+
+    The context enters every drafter layer through that layer's own W_K / W_V applied to
+    ctx_i = RMSNorm(W_c f_i) (no per-layer input norm, as in DFlash).
+    """
+    b, t = features.shape[:2]
+    flat = features.reshape(b, t, -1).astype(params["w_c"].dtype)  # [b, t, m*e]
+    ctx = rms_norm(flat @ params["w_c"], params["ctx_norm"], tcfg.rms_norm_eps)  # [b, t, e]
+    inv_freq = rope_inv_freq(tcfg.head_dim, tcfg.rope_theta, tcfg.rope_scaling)
+
+    def layer(_, lp):
+        _, k, v = project_qkv(lp, tcfg, ctx, positions, inv_freq)  # q is dead code under jit
+        return None, (k, v)
+
+    _, (k, v) = jax.lax.scan(layer, None, params["layers"])
+    return k, v
+
+
+def _block_attention(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v):
+    """Joint softmax over a block's visible context slots and its own positions.
+
+    q [b, a, G, heads, d]; ctx_k, ctx_v [b, s, kv, d] shared by all blocks of a row;
+    ctx_visible [b, a, s] bool; blk_k, blk_v [b, a, G, kv, d]. Returns [b, a, G, heads * d].
+    Blockwise so training never materialises scores between different blocks.
+    """
+    b, a, G, nh, d = q.shape
+    kv = ctx_k.shape[2]
+    qg = q.reshape(b, a, G, kv, nh // kv, d)
+    scale = 1.0 / math.sqrt(d)
+    s_ctx = jnp.einsum("baqkgd,bskd->bakgqs", qg, ctx_k.astype(q.dtype), preferred_element_type=jnp.float32)
+    s_blk = jnp.einsum("baqkgd,barkd->bakgqr", qg, blk_k, preferred_element_type=jnp.float32)
+    s_ctx = jnp.where(ctx_visible[:, :, None, None, None, :], s_ctx * scale, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk * scale], axis=-1), axis=-1)
+    w_ctx = weights[..., : s_ctx.shape[-1]].astype(q.dtype)  # [b, a, k, g, G, s]
+    w_blk = weights[..., s_ctx.shape[-1]:].astype(q.dtype)  # [b, a, k, g, G, G]
+    out = (jnp.einsum("bakgqs,bskd->baqkgd", w_ctx, ctx_v.astype(q.dtype))
+           + jnp.einsum("bakgqr,barkd->baqkgd", w_blk, blk_v))
+    return out.reshape(b, a, G, nh * d)
+
+
+def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, anchor_tokens, block_pos):
+    """Drafter layers over blocks [E(anchor), MASK...] -> final-normed hidden [b, a, G, e].
+
+    ctx_k, ctx_v [layers, b, s, kv, d]; ctx_visible [b, a, s]; anchor_tokens [b, a];
+    block_pos [b, a, G] rotary positions anchor_pos + k.
+    """
+    b, a, G = block_pos.shape
+    # Compute in the drafter's dtype (the frozen target may be stored in a narrower one).
+    first = embed(target_params, anchor_tokens).astype(params["w_c"].dtype)  # [b, a, e]
+    if dcfg.mask_token_id is None:
+        mask_vec = params["mask_embed"]
+    else:
+        mask_vec = target_params["embed"][dcfg.mask_token_id]
+    masks = jnp.broadcast_to(mask_vec.astype(first.dtype), (b, a, G - 1, first.shape[-1]))
+    h = jnp.concatenate([first[:, :, None, :], masks], axis=2)  # [b, a, G, e]
+    flat_pos = block_pos.reshape(b, a * G)
+    inv_freq = rope_inv_freq(tcfg.head_dim, tcfg.rope_theta, tcfg.rope_scaling)
+
+    def layer(h, xs):
+        lp, ck, cv = xs
+        x = rms_norm(h, lp["attn_norm"], tcfg.rms_norm_eps).reshape(b, a * G, -1)
+        q, k, v = project_qkv(lp, tcfg, x, flat_pos, inv_freq)
+        q = q.reshape(b, a, G, tcfg.num_heads, tcfg.head_dim)
+        k = k.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
+        v = v.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
+        h = h + _block_attention(q, ck, cv, ctx_visible, k, v) @ lp["wo"]
+        return mlp_residual(lp, tcfg, h), None
+
+    h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v))
+    return rms_norm(h, params["final_norm"], tcfg.rms_norm_eps)
+
+
+def _vocab_logits(params: dict, target_params: dict, hidden: jax.Array) -> jax.Array:
+    """Hidden [..., e] -> float32 logits [..., N] over the draft vocabulary (N = V when not reduced)."""
+    w = lm_head_weight(target_params)  # [e, V]
+    if "draft_vocab" in params:
+        w = jnp.take(w, params["draft_vocab"], axis=1)  # [e, N]
+    return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+
+
+def _to_full_vocab(params: dict, tcfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """Scatter reduced logits [..., N] into [..., V] with -inf outside the draft vocabulary."""
+    if "draft_vocab" not in params:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (tcfg.vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., params["draft_vocab"]].set(logits)
+
+
+def _head_outputs(params, dcfg, h_k, prev, rnn_state):
+    """Head bias [b, N] (0 without a head), confidence logit [b], new rnn state [b, r]."""
+    hp = params.get("head")
+    bias = 0.0
+    if dcfg.has_head:
+        bias, rnn_state = heads.head_step(hp, dcfg, h_k, prev, rnn_state)
+    if dcfg.confidence_head:
+        conf = heads.confidence_logit(params["confidence"], hp, h_k, prev)
+    else:
+        conf = jnp.zeros(prev.shape, jnp.float32)
+    return bias, conf, rnn_state
+
+
+def _rnn_zeros(dcfg: DrafterConfig, n: int) -> jax.Array:
+    return jnp.zeros((n, dcfg.head_rank if dcfg.has_head else 0), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- inference
+def extend(params, target_params, tcfg, dcfg, state: DFlashState, tokens, features, positions, valid):
+    """Write the context K/V of newly committed positions (tokens unused: DFlash reads features).
+
+    features [b, t, m, e], positions [b, t] int32, valid [b, t] bool.
+    """
+    del target_params, tokens
+    k, v = _context_kv(params, tcfg, features, positions)  # [layers, b, t, kv, d]
+    cache_len = state.k.shape[2]
+    slot = jnp.where(valid, positions, cache_len)  # invalid -> out of range -> dropped
+    rows = jnp.arange(slot.shape[0])[:, None]
+    new_k = state.k.at[:, rows, slot].set(k.astype(state.k.dtype), mode="drop")
+    new_v = state.v.at[:, rows, slot].set(v.astype(state.v.dtype), mode="drop")
+    return DFlashState(k=new_k, v=new_v)
+
+
+def _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos):
+    """Backbone hidden [b, G, e] of the block after `anchor` [b] at `anchor_pos` [b]."""
+    G = dcfg.block_size
+    slots = jnp.arange(state.k.shape[2], dtype=jnp.int32)
+    ctx_visible = (slots[None, :] < anchor_pos[:, None])[:, None, :]  # [b, 1, s]
+    block_pos = (anchor_pos[:, None] + jnp.arange(G, dtype=jnp.int32))[:, None, :]  # [b, 1, G]
+    h = _block_hidden(params, target_params, tcfg, dcfg, state.k, state.v, ctx_visible,
+                      anchor[:, None], block_pos)
+    return h[:, 0]
+
+
+def draft_backbone(params, target_params, tcfg, dcfg, state, anchor, anchor_pos):
+    """(hidden [b, G, e], base logits U [b, G, V] float32) of one draft block, without the head."""
+    h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)
+    return h, _to_full_vocab(params, tcfg, _vocab_logits(params, target_params, h))
+
+
+def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, key, sampling: SamplingConfig,
+          forced_tokens=None):
+    """Draft G tokens after the anchor; see the interface in drafters/config.py.
+
+    The sequential head runs left to right in a lax.scan, each position conditioned on the token
+    drafted before it. `forced_tokens` [b, G] (testing only) replaces the drafted tokens, both as
+    output and as the head's previous tokens, so the scan can be compared with teacher forcing.
+    """
+    G = dcfg.block_size
+    b = anchor.shape[0]
+    h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)  # [b, G, e]
+    base = _vocab_logits(params, target_params, h)  # [b, G, N]
+    forced = jnp.zeros((b, G), jnp.int32) if forced_tokens is None else forced_tokens.astype(jnp.int32)
+
+    def step(carry, xs):
+        prev, rnn_state = carry
+        u_k, h_k, k, forced_k = xs
+        bias, conf, rnn_state = _head_outputs(params, dcfg, h_k, prev, rnn_state)
+        logits = _to_full_vocab(params, tcfg, u_k + bias)  # [b, V]
+        token = sample_tokens(logits, jax.random.fold_in(key, k), sampling)  # [b]
+        if sampling.greedy:
+            probs = jax.nn.one_hot(token, tcfg.vocab_size, dtype=jnp.float32)
+        else:
+            probs = filtered_probs(logits, sampling)
+        if forced_tokens is not None:
+            token = forced_k
+        return (token, rnn_state), (token, probs, conf)
+
+    xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(h, 1, 0), jnp.arange(G), jnp.moveaxis(forced, 1, 0))
+    _, (tokens, probs, conf) = jax.lax.scan(step, (anchor.astype(jnp.int32), _rnn_zeros(dcfg, b)), xs)
+    out = DraftOutput(tokens=jnp.moveaxis(tokens, 0, 1), probs=jnp.moveaxis(probs, 0, 1),
+                      confidence_logits=jnp.moveaxis(conf, 0, 1))
+    return out, state
+
+
+# ----------------------------------------------------------------------------- training
+def train_forward(params, target_params, tcfg, dcfg, tokens, features, anchors):
+    """Teacher-forced forward of A blocks per sequence, all in parallel.
+
+    tokens [b, T] int32, features [b, T, m, e], anchors [b, A] int32 positions. Block a covers
+    positions anchor..anchor+G-1, sees context positions < anchor plus itself, and predicts
+    tokens anchor+1..anchor+G. The head's previous tokens are the ground truth
+    [tokens[anchor], .., tokens[anchor+G-1]]. Positions past T-1 give garbage (indices are
+    clipped) that the caller masks.
+    Returns {"base_logits" [b, A, G, V], "logits" [b, A, G, V] (base + head bias; -inf outside a
+    reduced draft vocabulary), "confidence_logits" [b, A, G], "hidden" [b, A, G, e]}.
+    """
+    b, T = tokens.shape
+    A, G = anchors.shape[1], dcfg.block_size
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
+    ctx_k, ctx_v = _context_kv(params, tcfg, features, positions)  # [layers, b, T, kv, d]
+    anchors = anchors.astype(jnp.int32)
+    ctx_visible = jnp.arange(T)[None, None, :] < anchors[:, :, None]  # [b, A, T]
+    block_pos = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # [b, A, G]
+    anchor_tokens = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, T - 1), axis=1)  # [b, A]
+    h = _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, anchor_tokens, block_pos)
+    base = _vocab_logits(params, target_params, h)  # [b, A, G, N]
+    prev = jnp.take_along_axis(tokens, jnp.clip(block_pos, 0, T - 1).reshape(b, A * G), axis=1)
+    prev = prev.reshape(b * A, G)  # teacher-forced previous tokens
+    h_rows = h.reshape(b * A, G, -1)
+
+    if dcfg.head_type == "rnn" and dcfg.has_head:
+        # The rnn state threads through the block, so scan over positions.
+        def step(state, xs):
+            h_k, prev_k = xs
+            bias, conf, state = _head_outputs(params, dcfg, h_k, prev_k, state)
+            return state, (bias, conf)
+
+        _, (bias, conf) = jax.lax.scan(step, _rnn_zeros(dcfg, b * A),
+                                       (jnp.moveaxis(h_rows, 1, 0), jnp.moveaxis(prev, 1, 0)))
+        bias, conf = jnp.moveaxis(bias, 0, 1), jnp.moveaxis(conf, 0, 1)  # [bA, G, N], [bA, G]
+    else:
+        # Markov / gated / none are memoryless: every position at once.
+        n = b * A * G
+        bias, conf, _ = _head_outputs(params, dcfg, h_rows.reshape(n, -1), prev.reshape(n), _rnn_zeros(dcfg, n))
+    if dcfg.has_head:
+        logits = base + bias.reshape(base.shape)
+    else:
+        logits = base
+    return {
+        "base_logits": _to_full_vocab(params, tcfg, base),
+        "logits": _to_full_vocab(params, tcfg, logits),
+        "confidence_logits": conf.reshape(b, A, G),
+        "hidden": h,
+    }
