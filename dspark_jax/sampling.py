@@ -56,8 +56,21 @@ def filtered_probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return jax.nn.softmax(filtered_logits(logits, cfg), axis=-1)
 
 
+def argmax_last(x: jax.Array) -> jax.Array:
+    """argmax over the last axis (first index of the maximum) -> int32.
+
+    Written as max + masked min-index: two plain reductions, which XLA on CPU vectorises, instead
+    of one variadic (value, index) reduction, which it does not (about 2x faster at [64, 49152]).
+    NaN rows give the last index.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    first = jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1).astype(jnp.int32)
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """One token per row from logits [b, vocab] -> [b] int32 (argmax when greedy)."""
     if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax_last(logits)
     return jax.random.categorical(key, filtered_logits(logits, cfg), axis=-1).astype(jnp.int32)

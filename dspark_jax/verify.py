@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dspark_jax.sampling import argmax_last
+
 # Default chunk (tile) length of the two-level cumulative sum.  Must equal
 # pallas_kernels.verify_block.DEFAULT_CHUNK (asserted in tests).
 DEFAULT_CHUNK = 1024
@@ -151,7 +153,7 @@ def verify_greedy(draft_tokens, target_logits, lengths):
     the target argmax at the first mismatch (or at position l if all accepted).
     """
     g = draft_tokens.shape[1]
-    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, G+1]
+    best = argmax_last(target_logits)  # [B, G+1]
     n = _num_accepted(draft_tokens.astype(jnp.int32) == best[:, :g],
                       lengths.astype(jnp.int32))
     return n, jnp.take_along_axis(best, n[:, None], axis=1)[:, 0]

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 from dspark_jax.drafters import heads
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import rms_norm, rope_inv_freq
-from dspark_jax.models.transformer import embed, lm_head_weight, mlp_residual, project_qkv
+from dspark_jax.models.layers import rms_norm
+from dspark_jax.models.transformer import embed, lm_head_weight, mlp_residual, project_qkv, target_rope
 from dspark_jax.sampling import SamplingConfig, filtered_probs, sample_tokens
 
 
@@ -112,10 +112,10 @@ def _context_kv(params: dict, tcfg: ModelConfig, features: jax.Array, positions:
     b, t = features.shape[:2]
     flat = features.reshape(b, t, -1).astype(params["w_c"].dtype)  # [b, t, m*e]
     ctx = rms_norm(flat @ params["w_c"], params["ctx_norm"], tcfg.rms_norm_eps)  # [b, t, e]
-    inv_freq = rope_inv_freq(tcfg.head_dim, tcfg.rope_theta, tcfg.rope_scaling)
+    rope = target_rope(tcfg, positions)
 
     def layer(_, lp):
-        _, k, v = project_qkv(lp, tcfg, ctx, positions, inv_freq)  # q is dead code under jit
+        _, k, v = project_qkv(lp, tcfg, ctx, rope)  # q is dead code under jit
         return None, (k, v)
 
     _, (k, v) = jax.lax.scan(layer, None, params["layers"])
@@ -160,12 +160,12 @@ def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, 
     masks = jnp.broadcast_to(mask_vec.astype(first.dtype), (b, a, G - 1, first.shape[-1]))
     h = jnp.concatenate([first[:, :, None, :], masks], axis=2)  # [b, a, G, e]
     flat_pos = block_pos.reshape(b, a * G)
-    inv_freq = rope_inv_freq(tcfg.head_dim, tcfg.rope_theta, tcfg.rope_scaling)
+    rope = target_rope(tcfg, flat_pos)
 
     def layer(h, xs):
         lp, ck, cv = xs
         x = rms_norm(h, lp["attn_norm"], tcfg.rms_norm_eps).reshape(b, a * G, -1)
-        q, k, v = project_qkv(lp, tcfg, x, flat_pos, inv_freq)
+        q, k, v = project_qkv(lp, tcfg, x, rope)
         q = q.reshape(b, a, G, tcfg.num_heads, tcfg.head_dim)
         k = k.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
         v = v.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)

@@ -38,9 +38,9 @@ import jax.numpy as jnp
 
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import rms_norm, rope_inv_freq
-from dspark_jax.models.transformer import attention_out, embed, logits_from_hidden, mlp_residual, project_qkv
-from dspark_jax.sampling import SamplingConfig, filtered_probs, sample_tokens
+from dspark_jax.models.layers import rms_norm
+from dspark_jax.models.transformer import attention_out, embed, logits_from_hidden, mlp_residual, project_qkv, target_rope
+from dspark_jax.sampling import SamplingConfig, argmax_last, filtered_probs, sample_tokens
 
 STEP_DECAY = 0.8  # EAGLE-3's weight on the loss of unrolled step j: 0.8 ** j
 
@@ -109,10 +109,6 @@ def _layer_input(lp: dict, tcfg: ModelConfig, x: jax.Array, emb: jax.Array) -> j
                             rms_norm(x, lp["hidden_norm"], eps)], axis=-1)
 
 
-def _inv_freq(tcfg: ModelConfig) -> jax.Array:
-    return rope_inv_freq(tcfg.head_dim, tcfg.rope_theta, tcfg.rope_scaling)
-
-
 def extend(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, state: Eagle3State,
            tokens: jax.Array, features: jax.Array, positions: jax.Array, valid: jax.Array) -> Eagle3State:
     """Write entries for newly committed tokens.
@@ -133,7 +129,7 @@ def extend(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterCo
     prev_feat = jnp.where((prev >= 0)[..., None], prev_feat, state.pending[:, None].astype(feat.dtype))
     entry_pos = positions.astype(jnp.int32) - 1  # [b, t]
     emb = embed(target_params, tokens)
-    _, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, prev_feat, emb), entry_pos, _inv_freq(tcfg))
+    _, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, prev_feat, emb), target_rope(tcfg, entry_pos))
     slot = jnp.where(valid & (entry_pos >= 0), entry_pos, cache_len)  # cache_len: dropped
     rows = jnp.arange(b)[:, None]
     new_k = state.k.at[rows, slot].set(k.astype(state.k.dtype), mode="drop")
@@ -156,14 +152,13 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
     b, cache_len = state.k.shape[:2]
     steps = dcfg.block_size
     lp = params["layer"]
-    inv_freq = _inv_freq(tcfg)
     rows = jnp.arange(b)
     slots = jnp.arange(cache_len, dtype=jnp.int32)
 
     def step(carry, step_key):
         x, token, pos, cache_k, cache_v = carry  # [b, e], [b], [b], [b, S, kv, d] x2
         emb = embed(target_params, token)[:, None]  # [b, 1, e]
-        q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x[:, None], emb), pos[:, None], inv_freq)
+        q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x[:, None], emb), target_rope(tcfg, pos[:, None]))
         slot = jnp.where(pos >= 0, pos, cache_len)
         cache_k = cache_k.at[rows, slot].set(k[:, 0].astype(cache_k.dtype), mode="drop")
         cache_v = cache_v.at[rows, slot].set(v[:, 0].astype(cache_v.dtype), mode="drop")
@@ -172,7 +167,7 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
         g = mlp_residual(lp, tcfg, x[:, None] + attn)[:, 0]  # [b, e]
         logits = logits_from_hidden(target_params, rms_norm(g, params["final_norm"], tcfg.rms_norm_eps))
         if sampling.greedy:
-            new_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            new_token = argmax_last(logits)
             probs = jax.nn.one_hot(new_token, logits.shape[-1], dtype=jnp.float32)
         else:
             new_token = sample_tokens(logits, step_key, sampling)
@@ -225,7 +220,6 @@ def train_hidden(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: Dra
     steps = dcfg.block_size if num_steps is None else num_steps
     b, total = tokens.shape
     lp = params["layer"]
-    inv_freq = _inv_freq(tcfg)
     positions = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total))
     causal = positions[:, None, :] <= positions[:, :, None]  # [b, T, T]
     x = _fuse(params, features)  # [b, T, e]
@@ -234,7 +228,7 @@ def train_hidden(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: Dra
     outs = []
     for j in range(steps):  # static unroll over the (few) drafted steps, not over tokens
         emb = embed(target_params, tokens[:, jnp.minimum(jnp.arange(total) + 1 + j, total - 1)])
-        q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x, emb), positions + j, inv_freq)
+        q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x, emb), target_rope(tcfg, positions + j))
         if j == 0:
             ctx_k, ctx_v = k, v
         else:

@@ -37,15 +37,23 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> j
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [b, t, heads, d] by its positions [b, t] (half-split convention of HF)."""
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [b, t, 1, d/2] for positions [b, t]; computed once per forward, used by every layer."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate x [b, t, heads, d] with rope_tables (half-split convention of HF)."""
+    cos, sin = tables
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate x [b, t, heads, d] by its positions [b, t]."""
+    return rotate(x, rope_tables(positions, inv_freq))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -54,14 +62,32 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     q: [b, t, kv_heads * groups, d]; k, v: [b, s, kv_heads, d]; mask: [b, t, s] (True = visible).
     Returns [b, t, kv_heads * groups, d]. Softmax runs in float32.
     """
+    return attend_two(q, k, v, mask, None, None, None)
+
+
+def attend_two(q, k1, v1, mask1, k2, v2, mask2) -> jax.Array:
+    """Grouped-query attention over two key sources under one softmax (e.g. a KV cache and the
+    chunk being computed, so the cache is written once after the whole layer stack).
+
+    q [b, t, heads, d]; k1, v1 [b, s1, kv_heads, d], mask1 [b, t, s1]; k2, v2 [b, s2, kv_heads, d],
+    mask2 [b, t, s2] (the second source may be None). Returns [b, t, heads, d].
+    """
     b, t, num_heads, d = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k1.shape[2]
     qg = q.reshape(b, t, kv_heads, num_heads // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / math.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    scale = 1.0 / math.sqrt(d)
+    neg = jnp.finfo(jnp.float32).min
+
+    def scores(k, mask):
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+        return jnp.where(mask[:, None, None, :, :], s * scale, neg)
+
+    parts = [scores(k1, mask1)] + ([] if k2 is None else [scores(k2, mask2)])
+    weights = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1).astype(v1.dtype)
+    s1 = k1.shape[1]
+    out = jnp.einsum("bkgts,bskd->btkgd", weights[..., :s1], v1.astype(q.dtype))
+    if k2 is not None:
+        out = out + jnp.einsum("bkgts,bskd->btkgd", weights[..., s1:], v2.astype(q.dtype))
     return out.reshape(b, t, num_heads, d)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import apply_rope, attend, rms_norm, rope_inv_freq, swiglu
+from dspark_jax.models.layers import attend, attend_two, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -47,8 +47,16 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
 
 
-def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-    """Normed input x [b, t, e] -> rotated q [b, t, heads, d], k and v [b, t, kv_heads, d]."""
+def target_rope(config: ModelConfig, positions: jax.Array):
+    """Rotary tables for positions [b, t] under the config's theta and scaling."""
+    return rope_tables(positions, rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+
+
+def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, rope):
+    """Normed input x [b, t, e] -> rotated q [b, t, heads, d], k and v [b, t, kv_heads, d].
+
+    `rope` is target_rope(config, positions) (computed once per forward, shared by all layers).
+    """
     b, t, _ = x.shape
     q = x @ lp["wq"]
     k = x @ lp["wk"]
@@ -61,7 +69,7 @@ def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, positions: jax.Arra
     if "q_norm" in lp:
         q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return rotate(q, rope), rotate(k, rope), v
 
 
 def attention_out(lp: dict, q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -94,21 +102,23 @@ def forward(
     params: dict,
     config: ModelConfig,
     tokens: jax.Array,  # [b, t] int32
-    positions: jax.Array,  # [b, t] int32 absolute positions
+    positions: jax.Array,  # [b, t] int32 absolute positions, consecutive within a row
     cache: KVCache | None = None,
     feature_layers: tuple[int, ...] = (),
 ):
-    """Run the decoder stack.
+    """Run the decoder stack over a chunk of new tokens.
 
-    With a cache, the new tokens' K/V are written at slots `positions` (out-of-range slots are
-    dropped) and each query attends to cache slots <= its position. Without a cache, attention is
-    causal by position among the given tokens (padding must carry positions past the real ones).
+    With a cache, each row's chunk starts at positions[:, 0]: queries attend to the cache slots
+    before it and causally to the chunk itself, under one softmax; the chunk's K/V are written
+    into the cache once, after the layer stack, at slots `positions` (out-of-range slots are
+    dropped). Without a cache, attention is causal by position among the given tokens (padding
+    must carry positions past the real ones).
 
     Returns (hidden [b, t, e] after the final norm, updated cache or None,
     features [b, t, m, e] of `feature_layers` (layer -1 = embedding output) or None).
     The cache's `lengths` are left to the caller, who knows how many tokens were committed.
     """
-    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    rope = target_rope(config, positions)
     h = embed(params, tokens)
     b, t, e = h.shape
     num_feats = len(feature_layers)
@@ -128,35 +138,37 @@ def forward(
         if feature_layers[0] == -1:
             feats = feats.at[0].set(h)
 
-    if cache is None:
-        self_mask = positions[:, None, :] <= positions[:, :, None]  # [b, t, t]
-        cache_k = cache_v = None
-    else:
-        slot_positions = jnp.arange(cache.max_len, dtype=jnp.int32)
-        cache_mask = slot_positions[None, None, :] <= positions[:, :, None]  # [b, t, s]
-        batch_index = jnp.arange(b)[:, None]
-        cache_k, cache_v = cache.k, cache.v
+    chunk_mask = positions[:, None, :] <= positions[:, :, None]  # [b, t, t] causal by position
+    if cache is not None:
+        slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+        cache_mask = jnp.broadcast_to(slots[None, None, :] < positions[:, :1, None], (b, t, cache.max_len))
 
     def layer_step(carry, xs):
-        h, cache_k, cache_v, feats = carry
-        lp, layer_index, slot = xs
+        h, feats = carry
+        lp, slot, cache_k, cache_v = xs
         x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
-        q, k, v = project_qkv(lp, config, x, positions, inv_freq)
+        q, k, v = project_qkv(lp, config, x, rope)
         if cache_k is None:
-            keys, values, mask = k, v, self_mask
+            attn = attend(q, k, v, chunk_mask)
         else:
-            cache_k = cache_k.at[layer_index, batch_index, positions].set(k.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[layer_index, batch_index, positions].set(v.astype(cache_v.dtype), mode="drop")
-            keys, values, mask = cache_k[layer_index], cache_v[layer_index], cache_mask
-        h = h + attention_out(lp, q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+            attn = attend_two(q, cache_k, cache_v, cache_mask, k, v, chunk_mask)
+        h = h + attn.reshape(b, t, -1) @ lp["wo"]
         h = mlp_residual(lp, config, h)
         if feats is not None:
             feats = feats.at[slot].set(h)
-        return (h, cache_k, cache_v, feats), None
+        return (h, feats), (k, v)
 
-    xs = (params["layers"], jnp.arange(config.num_layers), jnp.asarray(slot_of_layer, jnp.int32))
-    (h, cache_k, cache_v, feats), _ = jax.lax.scan(layer_step, (h, cache_k, cache_v, feats), xs)
+    layer_cache = (None, None) if cache is None else (cache.k, cache.v)
+    xs = (params["layers"], jnp.asarray(slot_of_layer, jnp.int32), *layer_cache)
+    (h, feats), (new_k, new_v) = jax.lax.scan(layer_step, (h, feats), xs)  # new_k: [L, b, t, kv, d]
     hidden = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    new_cache = None if cache is None else KVCache(k=cache_k, v=cache_v, lengths=cache.lengths)
+    new_cache = None
+    if cache is not None:
+        rows = jnp.arange(b)[:, None]
+        new_cache = KVCache(
+            k=cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop"),
+            v=cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop"),
+            lengths=cache.lengths,
+        )
     features = None if feats is None else jnp.moveaxis(feats[:num_feats], 0, 2)
     return hidden, new_cache, features
