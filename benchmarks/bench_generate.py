@@ -28,7 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best is reported")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per side, alternating; the best is reported")
     args = parser.parse_args()
 
     import torch
@@ -47,24 +47,28 @@ def main() -> None:
     print(f"{'batch':>5} {'new tok/row':>11} {'dspark tok/s':>13} {'torch tok/s':>12} {'ratio':>6}")
     for batch in args.batches:
         prompts = [SAMPLE_PROMPTS[i % len(SAMPLE_PROMPTS)] for i in range(batch)]
-        generate(target, prompts, max_new_tokens=args.new_tokens, ignore_eos=True)  # compile
-        ours = []
-        for _ in range(args.repeats):
-            result = generate(target, prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
-            ours.append(result.stats["new_tokens"] / result.stats["wall_seconds"])
         chats = [hf_tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                             tokenize=False) for p in prompts]
         enc = hf_tok(chats, return_tensors="pt", padding=True, add_special_tokens=False)
         kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
                       pad_token_id=hf_tok.pad_token_id)
-        theirs = []
-        with torch.inference_mode():
-            hf.generate(**enc, **kwargs)  # warm-up
-            for _ in range(args.repeats):
+
+        def run_ours():
+            result = generate(target, prompts, max_new_tokens=args.new_tokens, ignore_eos=True)
+            return result.stats["new_tokens"] / result.stats["wall_seconds"]
+
+        def run_theirs():
+            with torch.inference_mode():
                 start = time.perf_counter()
                 out = hf.generate(**enc, **kwargs)
                 elapsed = time.perf_counter() - start
-                theirs.append((out.shape[1] - enc["input_ids"].shape[1]) * batch / elapsed)
+            return (out.shape[1] - enc["input_ids"].shape[1]) * batch / elapsed
+
+        run_ours(), run_theirs()  # compile / warm up
+        ours, theirs = [], []
+        for _ in range(args.repeats):  # alternate, so both sides see the same machine noise
+            ours.append(run_ours())
+            theirs.append(run_theirs())
         best_ours, best_theirs = max(ours), max(theirs)
         print(f"{batch:>5} {args.new_tokens:>11} {best_ours:>13.1f} {best_theirs:>12.1f} {best_ours / best_theirs:>5.2f}x")
 

@@ -9,8 +9,9 @@ each jitted and timed alone at the same shapes.
     .venv/bin/python benchmarks/bench_spec.py [--new-tokens 64] [--batches 1 8] [--drafters ngram]
         [--temperature 0] [--block-size 7]
 
-Drafters: "ngram" (prompt lookup), "random-dspark" (an untrained DSpark drafter: a cost probe,
-its tokens are almost never accepted), or a checkpoint folder from the training programs.
+Drafters: "ngram" (prompt lookup), "random-dspark" / "random-dflash" / "random-eagle3" (untrained
+drafters: cost probes whose tokens are almost never accepted), or a checkpoint folder made by the
+training programs.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def main() -> None:
     target = load_target("smollm2-135m")
     drafters = {}
     for name in args.drafters:
-        drafters[name] = init_drafter(target, "dspark", seed=0) if name == "random-dspark" else load_drafter(name, target)
+        if name.startswith("random-"):
+            drafters[name] = init_drafter(target, name.removeprefix("random-"), seed=0)
+        else:
+            drafters[name] = load_drafter(name, target)
 
     common = dict(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=args.temperature, seed=0)
     print(f"temperature {args.temperature}, block size {args.block_size}, {args.new_tokens} new tokens per row")

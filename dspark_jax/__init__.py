@@ -1,9 +1,8 @@
 """dspark-jax: confidence-scheduled speculative decoding (DSpark) in JAX."""
 
+from dspark_jax.drafters import Drafter, init_drafter, load_drafter, save_drafter
+from dspark_jax.generate import GenerateResult, generate
 from dspark_jax.target import Target, load_target
 
-__all__ = ["Target", "load_target"]
-
-from dspark_jax.generate import GenerateResult, generate  # noqa: E402
-
-__all__ += ["GenerateResult", "generate"]
+__all__ = ["Drafter", "GenerateResult", "Target", "generate", "init_drafter", "load_drafter", "load_target",
+           "save_drafter"]

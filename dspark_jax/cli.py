@@ -11,6 +11,14 @@ def _generate(args: argparse.Namespace) -> int:
     from dspark_jax import generate, load_target
 
     target = load_target(args.model, dtype=args.dtype)
+    drafter = None
+    if args.drafter:
+        from dspark_jax.drafters import init_drafter, load_drafter
+
+        if args.drafter.startswith("random-"):  # an untrained drafter: a cost probe, not a speed-up
+            drafter = init_drafter(target, args.drafter.removeprefix("random-"), seed=args.seed)
+        else:
+            drafter = load_drafter(args.drafter, target)
     result = generate(
         target,
         args.prompts,
@@ -20,6 +28,9 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         chat=not args.no_chat,
+        drafter=drafter,
+        block_size=args.block_size,
+        verifier=args.verifier,
     )
     for i, text in enumerate(result.texts):
         if len(result.texts) > 1:
@@ -42,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     gen.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text, no chat template")
+    gen.add_argument("--drafter", default=None,
+                     help="speculative decoding: 'ngram' (prompt lookup), a drafter checkpoint folder, or "
+                          "random-dspark / random-dflash / random-eagle3 (untrained, for cost checks)")
+    gen.add_argument("--block-size", type=int, default=None, help="drafted tokens per round (default: the drafter's)")
+    gen.add_argument("--verifier", default="jnp", choices=["jnp", "pallas"])
     gen.set_defaults(func=_generate)
     return parser
 

@@ -91,6 +91,41 @@ def schedule_lengths(state: SpecState, block_size: int) -> jax.Array:
     return jnp.clip(remaining - 1, 0, block_size).astype(jnp.int32)
 
 
+def verify_widths(block_size: int) -> tuple[int, ...]:
+    """Compiled widths of the verification forward: powers of two below G+1, then G+1."""
+    widths, w = [], 1
+    while w < block_size + 1:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (block_size + 1,)
+
+
+def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: SpecSettings):
+    """Target forward over the first w columns of block [b, G+1], w the smallest compiled width
+    >= max(lengths) + 1 (lax.switch: a round where every row verifies little costs little).
+
+    Returns (logits [b, G+1, V] float32, cache, features [b, G+1, m, e] or None); columns past w
+    are zero padding that verification never reads (they lie past every row's l).
+    """
+    g1 = block.shape[1]
+    widths = verify_widths(g1 - 1)
+    layers = s.dconfig.target_layer_ids
+
+    def branch(width):
+        def run(cache):
+            hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache, layers)
+            logits = logits_from_hidden(params, hidden)
+            pad = [(0, 0), (0, g1 - width)]
+            logits = jnp.pad(logits, pad + [(0, 0)])
+            if feats is not None:
+                feats = jnp.pad(feats, pad + [(0, 0), (0, 0)])
+            return logits, cache, feats
+        return run
+
+    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
+    return jax.lax.switch(index, [branch(w) for w in widths], cache)
+
+
 def spec_round(params, dparams, state: SpecState, *, s: SpecSettings) -> SpecState:
     """One draft / verify / commit round for every row."""
     mod = _drafter_module(s.dconfig.kind)
@@ -101,12 +136,14 @@ def spec_round(params, dparams, state: SpecState, *, s: SpecSettings) -> SpecSta
     draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor, anchor_pos,
                               draft_key, s.sampling)
     lengths = schedule_lengths(state, g)  # [b]
+    if draft.proposed is not None:
+        lengths = jnp.minimum(lengths, draft.proposed)
 
-    # Verify: one target forward over [anchor, d_1..d_G] at positions P..P+G.
+    # Verify: one target forward over [anchor, d_1..d_l] at positions P..P+l, run at the smallest
+    # compiled width that holds every row's l + 1 tokens.
     block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, G+1]
     positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
-    hidden, cache, features = forward(params, s.config, block, positions, state.cache, s.dconfig.target_layer_ids)
-    target_logits = logits_from_hidden(params, hidden)  # [b, G+1, V]
+    target_logits, cache, features = verify_forward(params, state.cache, block, positions, lengths, s=s)
     if s.sampling.greedy:
         n_acc, next_token = verify_greedy(draft.tokens, target_logits, lengths)
     else:

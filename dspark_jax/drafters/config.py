@@ -44,6 +44,9 @@ class DraftOutput:
     tokens: jax.Array  # [b, G] int32 drafted tokens d_1..d_G
     probs: jax.Array  # [b, G, V] float32 draft distributions q_1..q_G (one-hot of tokens when greedy)
     confidence_logits: jax.Array  # [b, G] float32 raw confidence logits z_k (zeros without a head)
+    # [b] int32 drafted tokens the drafter actually proposes (a prompt-lookup match can run out);
+    # None means all G. It may depend only on the context, never on sampled draft tokens.
+    proposed: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +62,8 @@ class DrafterConfig:
     confidence_head: bool = True
     draft_vocab_size: int | None = None  # reduced draft vocabulary (top-N target ids) or None
     mask_token_id: int | None = None  # None: a learned MASK embedding
-    ngram_max: int = 3  # prompt-lookup drafter: longest n-gram to match
-    ngram_min: int = 1
+    ngram_max: int = 4  # prompt-lookup drafter: longest n-gram to match
+    ngram_min: int = 2  # single-token matches propose too much noise
 
     def __post_init__(self):
         if self.kind not in DRAFTER_KINDS:

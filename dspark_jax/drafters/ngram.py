@@ -3,8 +3,9 @@ last n tokens (n from ngram_max down to ngram_min). Training-free; a baseline an
 benchmark tool. It reads no target features.
 
 Its draft distributions are one-hot (a deterministic proposal), which verification handles
-exactly. Confidence logits are +BIG where the continuation is known and -BIG where the match ran
-out of context, so a threshold policy can cut the block there.
+exactly. Only the continuation actually found in the context is proposed (`proposed`; zero when
+nothing matches, and the round is then a plain decoding step); confidence logits are +BIG there
+and -BIG past it.
 """
 
 from __future__ import annotations
@@ -75,4 +76,5 @@ def draft(params, target_params, tcfg: ModelConfig, dcfg: DrafterConfig, state: 
     known = jnp.cumprod(known.astype(jnp.int32), axis=1).astype(bool)
     probs = jax.nn.one_hot(tokens, tcfg.vocab_size, dtype=jnp.float32)  # [b, g, V]
     conf = jnp.where(known, _BIG, -_BIG).astype(jnp.float32)
-    return DraftOutput(tokens=tokens, probs=probs, confidence_logits=conf), state
+    proposed = known.sum(axis=1).astype(jnp.int32)
+    return DraftOutput(tokens=tokens, probs=probs, confidence_logits=conf, proposed=proposed), state
