@@ -43,7 +43,7 @@ class SpecState:
     key: jax.Array
     forwards: jax.Array  # [] int32 target forward passes (prefill counts one)
     row_rounds: jax.Array  # [] int32 sum over rounds of live rows (verification opportunities)
-    committed: jax.Array  # [] int32 sum of n+1 over live row-rounds (bonus included)
+    committed: jax.Array  # [] int32 sum of n+1 over live row-rounds (bonus included; before EOS/budget cuts)
     tried: jax.Array  # [G] int32 live row-rounds that verified position k having accepted 0..k-1
     accepted: jax.Array  # [G] int32 ... of which position k was accepted
 
@@ -86,8 +86,9 @@ def spec_prefill(params, dparams, prompt_tokens, prompt_lens, budget, key, *, s:
 
 
 def schedule_lengths(state: SpecState, block_size: int) -> jax.Array:
-    """Fixed policy: verify the whole block, but never more than the row can still emit."""
-    remaining = state.budget - state.num_out  # tokens the row may still emit
+    """Fixed policy: verify the whole block, but never more than the row can still emit
+    (finished rows verify nothing, so they never widen the batch's verification forward)."""
+    remaining = jnp.where(state.done, 0, state.budget - state.num_out)  # tokens the row may still emit
     return jnp.clip(remaining - 1, 0, block_size).astype(jnp.int32)
 
 
