@@ -12,13 +12,15 @@ import jax.numpy as jnp
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.loading import DEFAULT_MODEL, converted_gguf, load_hf_folder, resolve_model_path
 from dspark_jax.models.tokenizer import load_tokenizer_dir
+from dspark_jax.models.transformer import unstack_layers
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
 @dataclasses.dataclass
 class Target:
-    """A target model ready to run: `params` is a pytree of device arrays in `dtype`."""
+    """A target model ready to run: `params` is a pytree of device arrays in `dtype`, with
+    `params["layers"]` a tuple of per-layer dicts (see models.transformer.unstack_layers)."""
 
     config: ModelConfig
     params: dict
@@ -46,5 +48,5 @@ def load_target(name_or_path: str = DEFAULT_MODEL, dtype="float32") -> Target:
         tokenizer = load_tokenizer_dir(path)
     else:
         config, params, tokenizer = converted_gguf(path)
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), unstack_layers(params))
     return Target(config=config, params=params, tokenizer=tokenizer, name=name_or_path, dtype=dtype)

@@ -56,38 +56,21 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotate(x, rope_tables(positions, inv_freq))
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_major: bool = False) -> jax.Array:
     """Grouped-query attention.
 
-    q: [b, t, kv_heads * groups, d]; k, v: [b, s, kv_heads, d]; mask: [b, t, s] (True = visible).
+    q [b, t, kv_heads * groups, d]; k, v [b, s, kv_heads, d], or [b, kv_heads, s, d] with kv_major
+    (the KV-cache layout, so the cache is never transposed); mask [b, t, s] (True = visible).
     Returns [b, t, kv_heads * groups, d]. Softmax runs in float32.
     """
-    return attend_two(q, k, v, mask, None, None, None)
-
-
-def attend_two(q, k1, v1, mask1, k2, v2, mask2) -> jax.Array:
-    """Grouped-query attention over two key sources under one softmax (e.g. a KV cache and the
-    chunk being computed, so the cache is written once after the whole layer stack).
-
-    q [b, t, heads, d]; k1, v1 [b, s1, kv_heads, d], mask1 [b, t, s1]; k2, v2 [b, s2, kv_heads, d],
-    mask2 [b, t, s2] (the second source may be None). Returns [b, t, heads, d].
-    """
     b, t, num_heads, d = q.shape
-    kv_heads = k1.shape[2]
+    kv_heads = k.shape[1] if kv_major else k.shape[2]
     qg = q.reshape(b, t, kv_heads, num_heads // kv_heads, d)
-    scale = 1.0 / math.sqrt(d)
-    neg = jnp.finfo(jnp.float32).min
-
-    def scores(k, mask):
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
-        return jnp.where(mask[:, None, None, :, :], s * scale, neg)
-
-    parts = [scores(k1, mask1)] + ([] if k2 is None else [scores(k2, mask2)])
-    weights = jax.nn.softmax(jnp.concatenate(parts, axis=-1), axis=-1).astype(v1.dtype)
-    s1 = k1.shape[1]
-    out = jnp.einsum("bkgts,bskd->btkgd", weights[..., :s1], v1.astype(q.dtype))
-    if k2 is not None:
-        out = out + jnp.einsum("bkgts,bskd->btkgd", weights[..., s1:], v2.astype(q.dtype))
+    spec = "bksd" if kv_major else "bskd"
+    scores = jnp.einsum(f"btkgd,{spec}->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None, :, :], scores * (1.0 / math.sqrt(d)), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum(f"bkgts,{spec}->btkgd", weights, v.astype(q.dtype))
     return out.reshape(b, t, num_heads, d)
 
 

@@ -1,6 +1,8 @@
 """Decoder-only target forward pass (Llama / Qwen2 / Qwen3) as a pure function over a params pytree.
 
-Params layout (layer weights stacked on a leading layer axis so the stack runs as one lax.scan):
+Params layout. Checkpoints and training keep layer weights stacked on a leading layer axis (the
+shapes below); a loaded target holds them as a tuple of per-layer dicts (unstack_layers), which
+the unrolled layer loop reads without copies. `forward` accepts both.
 
     embed        [vocab, e]
     final_norm   [e]
@@ -21,30 +23,48 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import attend, attend_two, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
+from dspark_jax.models.layers import attend, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Preallocated per-batch KV cache. Slot s of a row holds the token at position s.
+    """Preallocated per-batch KV cache, one buffer per layer. Slot s of a row holds the token at
+    position s.
 
-    A row's entries at slots >= its length are stale or empty; attention masks them by position
-    (a query at position p sees slots <= p), so rejected draft tokens never need erasing.
+    A row's entries at slots >= its length are stale or empty; a chunk starting at position P
+    only reads slots < P, and every slot it will later read is rewritten when its token is
+    committed, so rejected draft tokens never need erasing.
     """
 
-    k: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
-    v: jax.Array  # [layers, batch, max_len, kv_heads, head_dim]
+    k: tuple[jax.Array, ...]  # per layer [batch, kv_heads, max_len, head_dim] (kv-major: no transposes)
+    v: tuple[jax.Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32, committed tokens per row
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch,), jnp.int32))
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+    layers = range(config.num_layers)
+    return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def unstack_layers(params: dict) -> dict:
+    """Params with `layers` as a tuple of per-layer dicts (the inference layout).
+
+    Slicing a layer out of stacked [L, ...] weights inside the step copies it on CPU and GPU
+    (the slice does not fuse into the matmul), which roughly doubled decode time; separate
+    buffers per layer are read in place.
+    """
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    count = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(count))}
 
 
 def target_rope(config: ModelConfig, positions: jax.Array):
@@ -108,11 +128,11 @@ def forward(
 ):
     """Run the decoder stack over a chunk of new tokens.
 
-    With a cache, each row's chunk starts at positions[:, 0]: queries attend to the cache slots
-    before it and causally to the chunk itself, under one softmax; the chunk's K/V are written
-    into the cache once, after the layer stack, at slots `positions` (out-of-range slots are
-    dropped). Without a cache, attention is causal by position among the given tokens (padding
-    must carry positions past the real ones).
+    With a cache, each row's chunk starts at positions[:, 0]; the chunk's K/V are written at slots
+    `positions` (out-of-range slots are dropped), then queries attend to the committed slots
+    before the chunk and causally to the chunk's own slots. Without a cache, attention is
+    causal by position among the given tokens (padding must carry positions past the real ones).
+    Layers run as an unrolled loop over per-layer buffers (see unstack_layers).
 
     Returns (hidden [b, t, e] after the final norm, updated cache or None,
     features [b, t, m, e] of `feature_layers` (layer -1 = embedding output) or None).
@@ -121,54 +141,42 @@ def forward(
     rope = target_rope(config, positions)
     h = embed(params, tokens)
     b, t, e = h.shape
-    num_feats = len(feature_layers)
     if list(feature_layers) != sorted(set(feature_layers)) or any(
         not -1 <= l < config.num_layers for l in feature_layers
     ):
         raise ValueError(f"feature_layers must be strictly increasing ids in [-1, {config.num_layers}), "
                          f"got {feature_layers}")
-    # Slot of each decoder layer in the feature buffer; unrequested layers write to a spare slot.
-    slot_of_layer = [num_feats] * config.num_layers
-    for j, layer_id in enumerate(feature_layers):
-        if layer_id >= 0:
-            slot_of_layer[layer_id] = j
-    feats = None
-    if num_feats:
-        feats = jnp.zeros((num_feats + 1, b, t, e), h.dtype)
-        if feature_layers[0] == -1:
-            feats = feats.at[0].set(h)
+    taps = {-1: h} if -1 in feature_layers else {}  # layer id -> its output [b, t, e]
 
     chunk_mask = positions[:, None, :] <= positions[:, :, None]  # [b, t, t] causal by position
     if cache is not None:
         slots = jnp.arange(cache.max_len, dtype=jnp.int32)
-        cache_mask = jnp.broadcast_to(slots[None, None, :] < positions[:, :1, None], (b, t, cache.max_len))
+        # Committed slots before the chunk, and the chunk's own slots causally (it is written first).
+        cache_mask = (slots[None, None, :] < positions[:, :1, None]) | (
+            (slots[None, None, :] >= positions[:, :1, None]) & (slots[None, None, :] <= positions[:, :, None]))
+        rows = jnp.arange(b)[:, None]
 
-    def layer_step(carry, xs):
-        h, feats = carry
-        lp, slot, cache_k, cache_v = xs
+    layers = unstack_layers(params)["layers"]  # a no-op for loaded targets
+    new_k, new_v = [], []
+    for i, lp in enumerate(layers):
         x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
         q, k, v = project_qkv(lp, config, x, rope)
-        if cache_k is None:
+        if cache is None:
             attn = attend(q, k, v, chunk_mask)
         else:
-            attn = attend_two(q, cache_k, cache_v, cache_mask, k, v, chunk_mask)
+            # Write first, then attend to the updated buffer: the read depends on the write, so
+            # XLA updates the cache in place (a read of the old buffer next to an independent
+            # write made it copy every layer's cache every step). Slots past the cache drop.
+            layer_k = cache.k[i].at[rows, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
+            layer_v = cache.v[i].at[rows, :, positions].set(v.astype(cache.v[i].dtype), mode="drop")
+            attn = attend(q, layer_k, layer_v, cache_mask, kv_major=True)
+            new_k.append(layer_k)
+            new_v.append(layer_v)
         h = h + attn.reshape(b, t, -1) @ lp["wo"]
         h = mlp_residual(lp, config, h)
-        if feats is not None:
-            feats = feats.at[slot].set(h)
-        return (h, feats), (k, v)
-
-    layer_cache = (None, None) if cache is None else (cache.k, cache.v)
-    xs = (params["layers"], jnp.asarray(slot_of_layer, jnp.int32), *layer_cache)
-    (h, feats), (new_k, new_v) = jax.lax.scan(layer_step, (h, feats), xs)  # new_k: [L, b, t, kv, d]
+        if i in feature_layers:
+            taps[i] = h
     hidden = rms_norm(h, params["final_norm"], config.rms_norm_eps)
-    new_cache = None
-    if cache is not None:
-        rows = jnp.arange(b)[:, None]
-        new_cache = KVCache(
-            k=cache.k.at[:, rows, positions].set(new_k.astype(cache.k.dtype), mode="drop"),
-            v=cache.v.at[:, rows, positions].set(new_v.astype(cache.v.dtype), mode="drop"),
-            lengths=cache.lengths,
-        )
-    features = None if feats is None else jnp.moveaxis(feats[:num_feats], 0, 2)
+    new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    features = jnp.stack([taps[l] for l in feature_layers], axis=2) if feature_layers else None
     return hidden, new_cache, features
