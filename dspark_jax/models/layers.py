@@ -51,11 +51,6 @@ def rotate(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate x [b, t, heads, d] by its positions [b, t]."""
-    return rotate(x, rope_tables(positions, inv_freq))
-
-
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_major: bool = False) -> jax.Array:
     """Grouped-query attention.
 
