@@ -30,15 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-# Must equal dspark_jax.verify.DEFAULT_CHUNK (asserted in tests).
-DEFAULT_CHUNK = 1024
-
-
-def effective_chunk(vocab: int, chunk_size: int = DEFAULT_CHUNK) -> int:
-    """Same rule as dspark_jax.verify.effective_chunk (power of two <= needed)."""
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
-    return min(chunk_size, 1 << max(0, (vocab - 1).bit_length()))
+# The tile length and its rule are the reference's: one definition keeps the two bit-identical.
+from dspark_jax.verify import DEFAULT_CHUNK, effective_chunk
 
 
 def _kernel(tok_ref, len_ref, u_ref, q_ref, p_ref, n_ref, next_ref, *,
