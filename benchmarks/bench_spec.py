@@ -7,7 +7,7 @@ Then the cost split of one round (drafter, target verification forward, verifica
 each jitted and timed alone at the same shapes.
 
     .venv/bin/python benchmarks/bench_spec.py [--new-tokens 64] [--batches 1 8] [--drafters ngram]
-        [--temperature 0] [--block-size 7]
+        [--temperature 0] [--block-size 7] [--verifier jnp|pallas]
 
 Drafters: "ngram" (prompt lookup), "random-dspark" / "random-dflash" / "random-eagle3" (untrained
 drafters: cost probes whose tokens are almost never accepted), or a checkpoint folder made by the
@@ -46,6 +46,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--block-size", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--verifier", default="jnp", choices=["jnp", "pallas"],
+                        help="verification rule: jnp reference or the Pallas kernel (interpret mode on CPU: slow)")
     args = parser.parse_args()
 
     from dspark_jax import generate, load_target
@@ -60,7 +62,8 @@ def main() -> None:
             drafters[name] = load_drafter(name, target)
 
     common = dict(max_new_tokens=args.new_tokens, ignore_eos=True, temperature=args.temperature, seed=0)
-    print(f"temperature {args.temperature}, block size {args.block_size}, {args.new_tokens} new tokens per row")
+    print(f"temperature {args.temperature}, block size {args.block_size}, {args.new_tokens} new tokens per row, "
+          f"{args.verifier} verifier (greedy rounds use the argmax rule)")
     header = f"{'batch':>5} {'drafter':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'tau':>5} {'speedup':>8}"
     splits = []
     print(header)
@@ -68,7 +71,7 @@ def main() -> None:
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
         generate(target, prompts, **common)  # compile
         for name, drafter in drafters.items():
-            spec_kw = dict(drafter=drafter, block_size=args.block_size)
+            spec_kw = dict(drafter=drafter, block_size=args.block_size, verifier=args.verifier)
             first = generate(target, prompts, **common, **spec_kw)  # compile + cost split
             # Alternate plain and speculative runs so both see the same machine noise.
             plain_runs, spec_runs = [], []
