@@ -95,3 +95,15 @@ def test_greedy_speculative_equals_plain_on_real_model(real_target, kind):
     spec = generate(real_target, prompts, max_new_tokens=32, drafter=drafter, profile=False)
     assert spec.token_ids == plain.token_ids
     assert spec.stats["tau"] >= 1.0
+
+
+def test_library_runs_without_importing_torch():
+    """torch is only the tests' reference: loading and (speculative) generation never import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dspark_jax; t = dspark_jax.load_target(); "
+            "dspark_jax.generate(t, ['hi'], max_new_tokens=3, drafter=dspark_jax.load_drafter('ngram'), profile=False); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
