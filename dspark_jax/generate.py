@@ -140,16 +140,23 @@ def generate(
     return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)
 
 
+def _compile_program(name: str, prefill_part, loop_part, static: tuple, weights: tuple, inputs: tuple):
+    """Compile prefill(*weights, *inputs) -> state and loop(*weights, state) -> state ahead (state
+    donated to the loop); returns (prefill_fn, loop_fn)."""
+    args = (*weights, *inputs)
+    prefill_fn = COMPILED.get(f"{name}_prefill", prefill_part, static, args)
+    state_shape = jax.eval_shape(prefill_part, *args)
+    loop_fn = COMPILED.get(f"{name}_loop", loop_part, static, (*weights, state_shape), donate=(len(weights),))
+    return prefill_fn, loop_fn
+
+
 def _plain_program(target, config, sampling, cache_len, out_len, inputs):
     """Compiled prefill + autoregressive loop; returns (run, stats_fn)."""
-    static = (config, sampling, cache_len, out_len)
-    prefill_part = functools.partial(prefill, config=config, sampling=sampling, cache_len=cache_len, out_len=out_len)
-    args = (target.params, *inputs)
-    prefill_fn = COMPILED.get("prefill", prefill_part, static, args)
-    state_shape = jax.eval_shape(prefill_part, *args)
-    loop_fn = COMPILED.get("decode_loop", functools.partial(decode_loop, config=config, sampling=sampling),
-                           static, (target.params, state_shape), donate=(1,))
-    return (lambda: loop_fn(target.params, prefill_fn(*args))), (lambda state: {})
+    prefill_fn, loop_fn = _compile_program(
+        "decode", functools.partial(prefill, config=config, sampling=sampling, cache_len=cache_len, out_len=out_len),
+        functools.partial(decode_loop, config=config, sampling=sampling),
+        (config, sampling, cache_len, out_len), (target.params,), inputs)
+    return (lambda: loop_fn(target.params, prefill_fn(target.params, *inputs))), (lambda state: {})
 
 
 _PROFILES: dict = {}
@@ -161,19 +168,15 @@ def _spec_program(target, config, drafter, dconfig, sampling, cache_len, out_len
 
     settings = SpecSettings(config=config, dconfig=dconfig, sampling=sampling, cache_len=cache_len,
                             out_len=out_len, verifier=verifier)
-    static = (settings,)
-    args = (target.params, drafter.params, *inputs)
-    prefill_part = functools.partial(spec_prefill, s=settings)
-    prefill_fn = COMPILED.get("spec_prefill", prefill_part, static, args)
-    state_shape = jax.eval_shape(prefill_part, *args)
-    loop_fn = COMPILED.get("spec_loop", functools.partial(spec_loop, s=settings), static,
-                           (target.params, drafter.params, state_shape), donate=(2,))
+    weights = (target.params, drafter.params)
+    prefill_fn, loop_fn = _compile_program("spec", functools.partial(spec_prefill, s=settings),
+                                           functools.partial(spec_loop, s=settings), (settings,), weights, inputs)
     split = {}
     if profile:
-        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((weights, inputs)))
         key = (settings, shapes)  # timings depend on shapes and settings, not on weight values
         if key not in _PROFILES:
-            _PROFILES[key] = profile_round(target.params, drafter.params, prefill_fn(*args), s=settings)
+            _PROFILES[key] = profile_round(*weights, prefill_fn(*weights, *inputs), s=settings)
         split = _PROFILES[key]
 
     def stats(state):
@@ -191,4 +194,4 @@ def _spec_program(target, config, drafter, dconfig, sampling, cache_len, out_len
             result["drafter_to_target_time"] = split["drafter_seconds_per_round"] / split["target_seconds_per_round"]
         return result
 
-    return (lambda: loop_fn(target.params, drafter.params, prefill_fn(*args))), stats
+    return (lambda: loop_fn(*weights, prefill_fn(*weights, *inputs))), stats

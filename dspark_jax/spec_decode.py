@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.decode import first_outputs, is_eos, prefill_target
-from dspark_jax.drafters.config import DrafterConfig
+from dspark_jax.drafters import drafter_module
+from dspark_jax.drafters.config import DraftOutput, DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import KVCache, forward, logits_from_hidden
 from dspark_jax.sampling import SamplingConfig, filtered_probs
@@ -60,15 +61,28 @@ class SpecSettings:
     verifier: str = "jnp"  # "jnp" reference or "pallas" kernel
 
 
-def _drafter_module(kind: str):
-    from dspark_jax.drafters import drafter_module
+def target_distributions(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """What the verification rule reads: the logits when greedy, else the filtered probabilities."""
+    return logits if sampling.greedy else filtered_probs(logits, sampling)
 
-    return drafter_module(kind)
+
+def verify_rule(draft: DraftOutput, target_dist: jax.Array, lengths: jax.Array, key: jax.Array, *,
+                s: SpecSettings):
+    """(num_accepted [b], next_token [b]) by the greedy rule or lossless rejection sampling
+    (jnp reference or Pallas kernel); target_dist [b, G+1, V] from target_distributions."""
+    if s.sampling.greedy:
+        return verify_greedy(draft.tokens, target_dist, lengths)
+    uniforms = jax.random.uniform(key, (lengths.shape[0], draft.tokens.shape[1] + 1), jnp.float32)
+    if s.verifier == "pallas":
+        import pallas_kernels
+
+        return pallas_kernels.verify_block(draft.tokens, draft.probs, target_dist, lengths, uniforms)
+    return verify_block(draft.tokens, draft.probs, target_dist, lengths, uniforms)
 
 
 def spec_prefill(params, dparams, prompt_tokens, prompt_lens, budget, key, *, s: SpecSettings) -> SpecState:
     """Prompt through the target, sample the first token, feed the prompt to the drafter."""
-    mod = _drafter_module(s.dconfig.kind)
+    mod = drafter_module(s.dconfig.kind)
     layers = s.dconfig.target_layer_ids
     cache, first, features, key = prefill_target(params, prompt_tokens, prompt_lens, key, config=s.config,
                                                  sampling=s.sampling, cache_len=s.cache_len, feature_layers=layers)
@@ -129,7 +143,7 @@ def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: Spec
 
 def spec_round(params, dparams, state: SpecState, *, s: SpecSettings) -> SpecState:
     """One draft / verify / commit round for every row."""
-    mod = _drafter_module(s.dconfig.kind)
+    mod = drafter_module(s.dconfig.kind)
     g = s.dconfig.block_size
     b = state.anchor.shape[0]
     anchor_pos = state.cache.lengths  # [b]
@@ -145,17 +159,7 @@ def spec_round(params, dparams, state: SpecState, *, s: SpecSettings) -> SpecSta
     block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, G+1]
     positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
     target_logits, cache, features = verify_forward(params, state.cache, block, positions, lengths, s=s)
-    if s.sampling.greedy:
-        n_acc, next_token = verify_greedy(draft.tokens, target_logits, lengths)
-    else:
-        target_probs = filtered_probs(target_logits, s.sampling)
-        uniforms = jax.random.uniform(verify_key, (b, g + 1), jnp.float32)
-        if s.verifier == "pallas":
-            import pallas_kernels
-
-            n_acc, next_token = pallas_kernels.verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
-        else:
-            n_acc, next_token = verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
+    n_acc, next_token = verify_rule(draft, target_distributions(target_logits, s.sampling), lengths, verify_key, s=s)
 
     # Emitted tokens this round: d_1..d_n then t, cut after the first EOS and at the budget.
     live = ~state.done
@@ -221,7 +225,7 @@ def profile_round(params, dparams, state: SpecState, *, s: SpecSettings) -> dict
     """Seconds of one round's parts at these shapes, each jitted and timed alone (best of 3):
     the drafter's draft, the target's verification forward (with the LM head and the filtered
     probabilities), and the verification rule itself."""
-    mod = _drafter_module(s.dconfig.kind)
+    mod = drafter_module(s.dconfig.kind)
     g = s.dconfig.block_size
     b = state.anchor.shape[0]
     key = jax.random.PRNGKey(0)
@@ -231,26 +235,15 @@ def profile_round(params, dparams, state: SpecState, *, s: SpecSettings) -> dict
 
     def target_part(p, cache, block, positions):
         hidden, _, feats = forward(p, s.config, block, positions, cache, s.dconfig.target_layer_ids)
-        logits = logits_from_hidden(p, hidden)
-        return logits if s.sampling.greedy else filtered_probs(logits, s.sampling), feats
+        return target_distributions(logits_from_hidden(p, hidden), s.sampling), feats
 
     block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)
     positions = state.cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
     target_fn = jax.jit(target_part)
-    target_out, _ = target_fn(params, state.cache, block, positions)
+    target_dist, _ = target_fn(params, state.cache, block, positions)
     lengths = jnp.full((b,), g, jnp.int32)
-    if s.sampling.greedy:
-        verify_fn = jax.jit(verify_greedy)
-        verify_args = (draft.tokens, target_out, lengths)
-    else:
-        uniforms = jax.random.uniform(key, (b, g + 1))
-        if s.verifier == "pallas":
-            import pallas_kernels
-
-            verify_fn = jax.jit(pallas_kernels.verify_block)
-        else:
-            verify_fn = jax.jit(verify_block)
-        verify_args = (draft.tokens, draft.probs, target_out, lengths, uniforms)
+    verify_fn = jax.jit(lambda d, dist, n: verify_rule(d, dist, n, key, s=s))
+    verify_args = (draft, target_dist, lengths)
     return {
         "drafter_seconds_per_round": _best_seconds(draft_fn, params, dparams, state.drafter, state.anchor,
                                                    state.cache.lengths),
