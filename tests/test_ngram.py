@@ -14,7 +14,8 @@ TCFG = ModelConfig(family="llama", vocab_size=12, hidden_size=8, intermediate_si
 
 
 def reference(seq: list[int], g: int, n_min: int, n_max: int) -> list[int]:
-    """Latest earlier occurrence of the longest suffix n-gram (n_max down to n_min); what followed it."""
+    """Latest earlier occurrence of the longest suffix n-gram (n_max down to n_min); what followed
+    it, repeated with the period the match implies (distance from the match to the anchor)."""
     p = len(seq) - 1  # the anchor is seq[-1]
     for n in range(n_max, n_min - 1, -1):
         if n > len(seq):
@@ -22,7 +23,8 @@ def reference(seq: list[int], g: int, n_min: int, n_max: int) -> list[int]:
         suffix = seq[-n:]
         for end in range(p - 1, n - 2, -1):  # match ending strictly before the anchor
             if seq[end - n + 1:end + 1] == suffix:
-                return seq[end + 1:end + 1 + g]
+                period = p - end
+                return [seq[end + 1 + k % period] for k in range(g)]
     return []
 
 

@@ -51,20 +51,20 @@ def test_greedy_speculative_equals_autoregressive_tiny(tiny, kind):
 
 
 def test_greedy_speculative_with_an_accurate_drafter_accepts_blocks(tiny):
-    """A drafter that proposes the target's own greedy continuation must be accepted in full.
+    """When the drafter proposes the target's own continuation, whole blocks are accepted.
 
-    The n-gram drafter on a prompt that already contains the greedy continuation is exactly that.
+    This tiny model's greedy continuation of the prompt falls into a repeating loop (checked
+    below), which the prompt-lookup drafter then proposes exactly.
     """
     prompt = _prompts(1, seed=3)[0]
-    cont = generate(tiny, [prompt], max_new_tokens=16, ignore_eos=True).token_ids[0]
-    # The prompt repeats itself: [prompt, continuation, prompt] -> the target continues likewise.
-    full = prompt + cont + prompt
-    plain = generate(tiny, [full], max_new_tokens=12, ignore_eos=True)
-    spec = generate(tiny, [full], max_new_tokens=12, ignore_eos=True, drafter=load_drafter("ngram"), block_size=4)
+    plain = generate(tiny, [prompt], max_new_tokens=64, ignore_eos=True)
+    tail = plain.token_ids[0][-24:]
+    assert len(set(tail)) <= 4, tail  # the precondition: the target's own output repeats
+    spec = generate(tiny, [prompt], max_new_tokens=64, ignore_eos=True, drafter=load_drafter("ngram"),
+                    block_size=4, profile=False)
     assert spec.token_ids == plain.token_ids
-    if plain.token_ids[0][:8] == cont[:8]:  # the target did continue by copying
-        assert spec.stats["tau"] > 2.0
-        assert spec.stats["target_forward_passes"] < plain.stats["target_forward_passes"]
+    assert spec.stats["tau"] > 2.0  # rounds before the loop starts find no match and commit one token
+    assert spec.stats["target_forward_passes"] < plain.stats["target_forward_passes"] / 2
 
 
 def _exact_marginals(target, prompt, temperature):

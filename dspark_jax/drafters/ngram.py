@@ -1,11 +1,10 @@
 """Prompt-lookup drafter: propose the continuation of the latest earlier match of the context's
-last n tokens (n from ngram_max down to ngram_min). Training-free; a baseline and an engine
-benchmark tool. It reads no target features.
+last n tokens (n from ngram_max down to ngram_min), read as a period that repeats. Training-free;
+a baseline and an engine benchmark tool. It reads no target features.
 
 Its draft distributions are one-hot (a deterministic proposal), which verification handles
-exactly. Only the continuation actually found in the context is proposed (`proposed`; zero when
-nothing matches, and the round is then a plain decoding step); confidence logits are +BIG there
-and -BIG past it.
+exactly. A row with no match proposes nothing (`proposed` = 0, the round is a plain decoding
+step for it); confidence logits are +BIG when a match was found and -BIG otherwise.
 """
 
 from __future__ import annotations
@@ -68,13 +67,14 @@ def draft(params, target_params, tcfg: ModelConfig, dcfg: DrafterConfig, state: 
         latest = jnp.max(jnp.where(match, slot, -1), axis=1).astype(jnp.int32)
         best_end = jnp.where(best_end >= 0, best_end, latest)
 
-    follow = best_end[:, None] + 1 + jnp.arange(g)[None, :]  # [b, g]
-    known = (best_end[:, None] >= 0) & (follow <= anchor_pos[:, None])
-    tokens = jnp.where(known, gather(follow), anchor[:, None])
+    # The match says the text repeats with period P - j; continue that period, so a proposal that
+    # reaches the anchor keeps copying (a loop "a b a b" is drafted in full, not cut at the anchor).
+    found = best_end >= 0  # [b]
+    period = jnp.maximum(anchor_pos - best_end, 1)[:, None]
+    follow = best_end[:, None] + 1 + jnp.arange(g)[None, :] % period  # [b, g], all <= anchor_pos
+    tokens = jnp.where(found[:, None], gather(follow), anchor[:, None])
     tokens = jnp.clip(tokens, 0, tcfg.vocab_size - 1).astype(jnp.int32)
-    # Once the proposal runs out, later tokens are guesses too.
-    known = jnp.cumprod(known.astype(jnp.int32), axis=1).astype(bool)
     probs = jax.nn.one_hot(tokens, tcfg.vocab_size, dtype=jnp.float32)  # [b, g, V]
-    conf = jnp.where(known, _BIG, -_BIG).astype(jnp.float32)
-    proposed = known.sum(axis=1).astype(jnp.int32)
+    conf = jnp.broadcast_to(jnp.where(found, _BIG, -_BIG)[:, None], (b, g)).astype(jnp.float32)
+    proposed = jnp.where(found, g, 0).astype(jnp.int32)
     return DraftOutput(tokens=tokens, probs=probs, confidence_logits=conf, proposed=proposed), state
