@@ -72,7 +72,7 @@ def main() -> None:
         generate(target, prompts, **common)  # compile
         for name, drafter in drafters.items():
             spec_kw = dict(drafter=drafter, block_size=args.block_size, verifier=args.verifier)
-            first = generate(target, prompts, **common, **spec_kw)  # compile + cost split
+            first = generate(target, prompts, **common, **spec_kw, profile=True)  # compile + cost split
             # Alternate plain and speculative runs so both see the same machine noise.
             plain_runs, spec_runs = [], []
             for _ in range(args.repeats):

@@ -1,120 +1,385 @@
-"""Plain autoregressive decoding on the device: prefill, then one lax.while_loop for all steps.
+"""Decoding over slots on the device: batched prefill into slots, and draft / verify / commit
+rounds for every live slot (DESIGN.md sections 6.1 and 8.2).
 
-Both entry points are pure functions (params, state, ...) -> state; `generate` compiles them ahead
-for each bucketed shape and donates the state so the KV cache is updated in place.
+Every function here is pure, (params, state, ...) -> state; `dspark_jax.engine.Engine` compiles
+them ahead and donates the state. A round, per slot r at its own position P_r (all slots at once):
+
+  draft   the drafter proposes d_1..d_G after the anchor a (the last sampled token, not yet fed
+          to the target); without a drafter G = 0 and a round is one plain decoding step;
+  length  l_r in [0, G] tokens go to verification (a fixed policy for now, cut by the budget);
+  verify  one target forward over [a, d_1..d_l] at positions P..P+l (at the smallest compiled
+          width that holds every row's l + 1) writes KV and gives p_1..p_{l+1} and the features of
+          those positions; verification accepts n_r <= l_r and gives the next token t_r;
+  commit  a, d_1..d_n are committed (cache length += n+1; stale KV past it is masked by position),
+          the drafter's context gets their features, t becomes the next anchor; the emitted tokens
+          d_1..d_n, t are cut at the first EOS (unless the slot ignores EOS) and at the budget.
+
+Sampling settings, budgets and seeds are per-slot data. Each slot's random numbers come from its
+own seed key and the position (sampling.row_keys), so its output never depends on other slots.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.drafters.config import DraftOutput, DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import KVCache, forward, init_cache, logits_from_hidden
-from dspark_jax.sampling import SamplingConfig, sample_tokens
+from dspark_jax.sampling import RowSampling, all_greedy, filtered_probs, row_keys, sample_tokens
+from dspark_jax.verify import verify_block, verify_greedy
+
+# Finish reasons as stored on the device (StepOutput turns them into strings).
+NOT_FINISHED, FINISHED_EOS, FINISHED_LENGTH = 0, 1, 2
+# Purposes folded into a slot's key with the position, so no two uses share random numbers.
+KEY_FIRST_TOKEN, KEY_DRAFT, KEY_VERIFY = 0, 1, 2
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DecodeState:
-    """Per-batch decoding state; every field lives on the device."""
+class SlotState:
+    """Decode state of every slot of an engine; every field lives on the device.
 
-    cache: KVCache  # lengths = tokens already fed through the target per row
-    pending: jax.Array  # [batch] int32, the last sampled token, not yet fed to the target
-    out: jax.Array  # [batch, out_len] int32, generated tokens (EOS included when produced)
-    num_out: jax.Array  # [batch] int32, valid entries of `out`
-    budget: jax.Array  # [batch] int32, max new tokens per row (0 for padding rows)
-    done: jax.Array  # [batch] bool
-    key: jax.Array  # PRNG key
-    forwards: jax.Array  # [] int32, target forward passes so far (prefill counts one)
+    A free slot is `done` and not `occupied`; a finished request stays occupied (and done) until
+    it is freed, so its last tokens can be reported.
+    """
+
+    cache: KVCache  # target KV cache; lengths [slots] = tokens fed to the target (the anchor excluded)
+    drafter: Any  # the drafter's inference state for every slot (None without a drafter)
+    anchor: jax.Array  # [slots] int32 last sampled token, not yet fed to the target
+    occupied: jax.Array  # [slots] bool, holds a request (inserted, not yet freed)
+    done: jax.Array  # [slots] bool, decodes no more (finished, or free)
+    finish_reason: jax.Array  # [slots] int32 NOT_FINISHED / FINISHED_EOS / FINISHED_LENGTH
+    unreported: jax.Array  # [slots] bool, the anchor is the request's first token, not yet returned
+    emitted: jax.Array  # [slots] int32 tokens generated so far (the first one included)
+    budget: jax.Array  # [slots] int32 max new tokens
+    ignore_eos: jax.Array  # [slots] bool
+    sampling: RowSampling  # per-slot temperature / top-k / top-p
+    seed_key: jax.Array  # [slots, 2] uint32, jax.random.PRNGKey(seed) of the slot's request
+    drafted: jax.Array  # [slots] int32 draft tokens sent to verification for this request
+    accepted: jax.Array  # [slots] int32 ... of which the target accepted
+    forwards: jax.Array  # [] int32 target forward passes of the engine (prefills count one each)
+    row_rounds: jax.Array  # [] int32 sum over rounds of live slots
+    committed: jax.Array  # [] int32 sum of n+1 over live slot-rounds (bonus included)
+    tried: jax.Array  # [G] int32 live slot-rounds that verified position k having accepted 0..k-1
+    accepted_at: jax.Array  # [G] int32 ... of which position k was accepted
 
 
-def is_eos(tokens: jax.Array, config: ModelConfig) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """Static settings of an engine's compiled programs (shapes and kinds, never request values)."""
+
+    config: ModelConfig
+    dconfig: DrafterConfig | None  # None: plain decoding
+    slots: int
+    max_len: int  # KV-cache slots per row
+    verifier: str = "jnp"  # "jnp" reference or "pallas" kernel
+
+    @property
+    def block_size(self) -> int:
+        return 0 if self.dconfig is None else self.dconfig.block_size
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return () if self.dconfig is None else self.dconfig.target_layer_ids
+
+
+def drafter_module(s: DecodeSettings):
+    from dspark_jax.drafters import drafter_module as module_of
+
+    return None if s.dconfig is None else module_of(s.dconfig.kind)
+
+
+def is_eos(tokens: jax.Array, config: ModelConfig, ignore: jax.Array) -> jax.Array:
+    """tokens [b, ...] that end their row; `ignore` [b] rows never stop at EOS."""
     if not config.eos_token_ids:
         return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(config.eos_token_ids, jnp.int32))
+    eos = jnp.isin(tokens, jnp.asarray(config.eos_token_ids, jnp.int32))
+    return eos & ~ignore.reshape(ignore.shape + (1,) * (tokens.ndim - 1))
 
 
-def prefill_target(
-    params: dict,
-    prompt_tokens: jax.Array,  # [b, p] int32, right-padded
-    prompt_lens: jax.Array,  # [b] int32
-    key: jax.Array,
-    *,
-    config: ModelConfig,
-    sampling: SamplingConfig,
-    cache_len: int,
-    feature_layers: tuple[int, ...] = (),
-):
-    """Prompt through the target: (cache with lengths = prompt_lens, first sampled token [b],
-    features [b, p, m, e] or None, key)."""
-    b, p = prompt_tokens.shape
-    cache = init_cache(config, b, cache_len, params["embed"].dtype)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, cache, features = forward(params, config, prompt_tokens, positions, cache, feature_layers)
-    last = jnp.take_along_axis(hidden, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]  # [b, e]
-    key, sub = jax.random.split(key)
-    first = sample_tokens(logits_from_hidden(params, last), sub, sampling)
-    cache = dataclasses.replace(cache, lengths=prompt_lens.astype(jnp.int32))
-    return cache, first, features, key
+def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
+    """Every slot free, buffers allocated."""
+    n, g = s.slots, s.block_size
+    mod = drafter_module(s)
+    dstate = None if mod is None else mod.init_state(dparams, s.config, s.dconfig, n, s.max_len)
+    zeros = jnp.zeros((n,), jnp.int32)
+    return SlotState(
+        cache=init_cache(s.config, n, s.max_len, params["embed"].dtype), drafter=dstate, anchor=zeros,
+        occupied=jnp.zeros((n,), bool), done=jnp.ones((n,), bool), finish_reason=zeros,
+        unreported=jnp.zeros((n,), bool), emitted=zeros, budget=zeros, ignore_eos=jnp.zeros((n,), bool),
+        sampling=RowSampling(temperature=jnp.zeros((n,), jnp.float32), top_k=zeros,
+                             top_p=jnp.ones((n,), jnp.float32)),
+        seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
+        forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
+        committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32))
 
 
-def first_outputs(first: jax.Array, budget: jax.Array, out_len: int, config: ModelConfig):
-    """Output buffer, counts and done flags after the prefill's token: (out, num_out, done)."""
-    active = budget > 0
-    out = jnp.zeros((first.shape[0], out_len), jnp.int32).at[:, 0].set(jnp.where(active, first, 0))
-    num_out = active.astype(jnp.int32)
-    done = ~active | is_eos(first, config) | (num_out >= budget)
-    return out, num_out, done
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Requests:
+    """A batch of requests to insert (host arrays; padding entries have slot = -1)."""
+
+    tokens: jax.Array  # [n, p] int32 prompts, right-padded to the prefill bucket
+    lengths: jax.Array  # [n] int32 prompt lengths (>= 1; padding entries copy a real one)
+    slots: jax.Array  # [n] int32 target slot, -1 for padding entries
+    budget: jax.Array  # [n] int32 max new tokens
+    ignore_eos: jax.Array  # [n] bool
+    sampling: RowSampling  # [n] each
+    seed_key: jax.Array  # [n, 2] uint32
 
 
-def prefill(
-    params: dict,
-    prompt_tokens: jax.Array,  # [b, p] int32, right-padded
-    prompt_lens: jax.Array,  # [b] int32
-    budget: jax.Array,  # [b] int32
-    key: jax.Array,
-    *,
-    config: ModelConfig,
-    sampling: SamplingConfig,
-    cache_len: int,
-    out_len: int,
-) -> DecodeState:
-    """Run the prompt through the target, fill the cache and sample the first new token."""
-    cache, first, _, key = prefill_target(params, prompt_tokens, prompt_lens, key, config=config,
-                                          sampling=sampling, cache_len=cache_len)
-    out, num_out, done = first_outputs(first, budget, out_len, config)
-    return DecodeState(cache=cache, pending=first, out=out, num_out=num_out, budget=budget, done=done,
-                       key=key, forwards=jnp.ones((), jnp.int32))
+def batch_axes(make_state):
+    """Per leaf of the pytree `make_state(batch)`, the axis that grows with the batch (None if
+    none): found by comparing abstract states of 1 and 2 rows, so no layout is declared twice."""
+    one, two = jax.eval_shape(lambda: make_state(1)), jax.eval_shape(lambda: make_state(2))
+
+    def axis(a, b):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        return diff[0] if diff else None
+
+    return jax.tree.map(axis, one, two)
 
 
-def decode_step(params: dict, state: DecodeState, *, config: ModelConfig, sampling: SamplingConfig) -> DecodeState:
-    """Feed every row's pending token, sample the next one; finished rows stay frozen."""
-    cache = state.cache
-    positions = cache.lengths[:, None]  # [b, 1]
-    hidden, cache, _ = forward(params, config, state.pending[:, None], positions, cache)
-    key, sub = jax.random.split(state.key)
-    token = sample_tokens(logits_from_hidden(params, hidden[:, 0]), sub, sampling)
+def take_rows(tree, axes, rows: jax.Array):
+    """Rows `rows` [n] (clipped into range) of every batched leaf."""
+    def take(leaf, axis):
+        return leaf if axis is None else jnp.take(leaf, rows, axis=axis, mode="clip")
+    return jax.tree.map(take, tree, axes)
+
+
+def put_rows(tree, axes, rows: jax.Array, values):
+    """Write `values` into rows `rows` [n] of every batched leaf; rows out of range are dropped."""
+    def put(leaf, axis, value):
+        if axis is None:
+            return leaf
+        index = (slice(None),) * axis + (rows,)
+        return leaf.at[index].set(value.astype(leaf.dtype), mode="drop")
+    return jax.tree.map(put, tree, axes, values)
+
+
+def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeSettings) -> SlotState:
+    """Prefill a batch of requests into their slots and sample each one's first token.
+
+    The prompts run through the target with a KV cache of their own bucketed length, which is
+    then written into the slots' rows (attention never touches the engine's full max_len here).
+    The first token becomes the slot's anchor and is reported by the next step.
+    """
+    n, p = req.tokens.shape
+    cfg = s.config
+    slots = jnp.where(req.slots >= 0, req.slots, s.slots)  # padding -> out of range -> dropped
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+    small = init_cache(cfg, n, p, state.cache.k[0].dtype)
+    hidden, small, features = forward(params, cfg, req.tokens, positions, small, s.feature_layers)
+    last = jnp.take_along_axis(hidden, (req.lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, e]
+    keys = row_keys(req.seed_key, req.lengths, KEY_FIRST_TOKEN)
+    first = sample_tokens(logits_from_hidden(params, last), keys, req.sampling)  # [n]
+    cache = KVCache(
+        k=tuple(big.at[slots, :, :p].set(part, mode="drop") for big, part in zip(state.cache.k, small.k)),
+        v=tuple(big.at[slots, :, :p].set(part, mode="drop") for big, part in zip(state.cache.v, small.v)),
+        lengths=state.cache.lengths.at[slots].set(req.lengths, mode="drop"))
+
+    dstate = state.drafter
+    mod = drafter_module(s)
+    if mod is not None:
+        axes = batch_axes(lambda b: mod.init_state(dparams, cfg, s.dconfig, b, s.max_len))
+        rows = take_rows(dstate, axes, slots)
+        rows = mod.extend(dparams, params, cfg, s.dconfig, rows, req.tokens, features, positions,
+                          positions < req.lengths[:, None])
+        dstate = put_rows(dstate, axes, slots, rows)
+
+    eos = is_eos(first, cfg, req.ignore_eos)
+    full = req.budget <= 1
+    set_ = lambda field, value: field.at[slots].set(value, mode="drop")  # noqa: E731
+    sampling = jax.tree.map(set_, state.sampling, req.sampling)
+    return dataclasses.replace(
+        state, cache=cache, drafter=dstate, anchor=set_(state.anchor, first),
+        occupied=set_(state.occupied, True), done=set_(state.done, eos | full),
+        finish_reason=set_(state.finish_reason, jnp.where(eos, FINISHED_EOS,
+                                                           jnp.where(full, FINISHED_LENGTH, NOT_FINISHED))),
+        unreported=set_(state.unreported, True), emitted=set_(state.emitted, 1), budget=set_(state.budget, req.budget),
+        ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
+        seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
+        accepted=set_(state.accepted, 0), forwards=state.forwards + 1)
+
+
+def free(state: SlotState, slot: jax.Array) -> SlotState:
+    """Slot `slot` becomes free: it stops decoding; its stale cache is masked by position."""
+    return dataclasses.replace(
+        state, occupied=state.occupied.at[slot].set(False), done=state.done.at[slot].set(True),
+        finish_reason=state.finish_reason.at[slot].set(NOT_FINISHED), unreported=state.unreported.at[slot].set(False))
+
+
+def schedule_lengths(state: SlotState, block_size: int) -> jax.Array:
+    """Fixed policy: verify the whole block, but never more than the row can still emit
+    (finished rows verify nothing, so they never widen the batch's verification forward)."""
+    remaining = jnp.where(state.done, 0, state.budget - state.emitted)  # tokens the row may still emit
+    return jnp.clip(remaining - 1, 0, block_size).astype(jnp.int32)
+
+
+def verify_widths(block_size: int) -> tuple[int, ...]:
+    """Compiled widths of the verification forward: powers of two below G+1, then G+1."""
+    widths, w = [], 1
+    while w < block_size + 1:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (block_size + 1,)
+
+
+def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: DecodeSettings):
+    """Target forward over the first w columns of block [b, G+1], w the smallest compiled width
+    >= max(lengths) + 1 (lax.switch: a round where every row verifies little costs little).
+
+    Returns (logits [b, G+1, V] float32, cache, features [b, G+1, m, e] or None); columns past w
+    are zero padding that verification never reads (they lie past every row's l).
+    """
+    g1 = block.shape[1]
+    widths = verify_widths(g1 - 1)
+
+    def branch(width):
+        def run(cache):
+            hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
+                                           s.feature_layers)
+            pad = [(0, 0), (0, g1 - width)]
+            logits = jnp.pad(logits_from_hidden(params, hidden), pad + [(0, 0)])
+            if feats is not None:
+                feats = jnp.pad(feats, pad + [(0, 0), (0, 0)])
+            return logits, cache, feats
+        return run
+
+    if len(widths) == 1:
+        return branch(widths[0])(cache)
+    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
+    return jax.lax.switch(index, [branch(w) for w in widths], cache)
+
+
+def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,
+                rs: RowSampling, live: jax.Array, *, s: DecodeSettings):
+    """(num_accepted [b], next_token [b]): the greedy rule when every live row is greedy, else
+    lossless rejection sampling (jnp reference or Pallas kernel) on the filtered distributions,
+    where a greedy row's one-hot distributions make the same rule exact greedy decoding."""
+    b, g1, v = target_logits.shape
+
+    def greedy(logits):
+        return verify_greedy(draft.tokens, logits, lengths)
+
+    def sampled(logits):
+        flat = RowSampling(*(jnp.repeat(x, g1) for x in (rs.temperature, rs.top_k, rs.top_p)))
+        target_probs = filtered_probs(logits.reshape(b * g1, v), flat).reshape(b, g1, v)
+        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (g1,), jnp.float32))(keys)
+        if s.verifier == "pallas":
+            import pallas_kernels
+
+            return pallas_kernels.verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
+        return verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
+
+    return jax.lax.cond(all_greedy(rs, live), greedy, sampled, target_logits)
+
+
+def no_draft(b: int, vocab: int) -> DraftOutput:
+    """The empty draft of plain decoding (G = 0)."""
+    return DraftOutput(tokens=jnp.zeros((b, 0), jnp.int32), probs=jnp.zeros((b, 0, vocab), jnp.float32),
+                       confidence_logits=jnp.zeros((b, 0), jnp.float32))
+
+
+def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
+    """One draft / verify / commit round for every live slot.
+
+    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool): row r emitted emitted[r, keep[r]]
+    this round (keep is a prefix mask).
+    """
+    mod = drafter_module(s)
+    g = s.block_size
+    b = state.anchor.shape[0]
     live = ~state.done
-    b = token.shape[0]
-    write_at = jnp.where(live, state.num_out, state.out.shape[1])  # out of range -> dropped
-    out = state.out.at[jnp.arange(b), write_at].set(token, mode="drop")
-    num_out = state.num_out + live
-    done = state.done | (live & (is_eos(token, config) | (num_out >= state.budget)))
-    cache = dataclasses.replace(cache, lengths=cache.lengths + live)
-    return DecodeState(cache=cache, pending=jnp.where(live, token, state.pending), out=out, num_out=num_out,
-                       budget=state.budget, done=done, key=key, forwards=state.forwards + 1)
+    anchor_pos = state.cache.lengths  # [b]
+    if mod is None:
+        draft, dstate = no_draft(b, s.config.vocab_size), None
+        lengths = jnp.zeros((b,), jnp.int32)
+    else:
+        draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
+        draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor, anchor_pos,
+                                  draft_keys, state.sampling)
+        lengths = schedule_lengths(state, g)  # [b]
+        if draft.proposed is not None:
+            lengths = jnp.minimum(lengths, draft.proposed)
+
+    block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, G+1]
+    positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
+    target_logits, cache, features = verify_forward(params, state.cache, block, positions, lengths, s=s)
+    n_acc, next_token = verify_rule(draft, target_logits, lengths, row_keys(state.seed_key, anchor_pos, KEY_VERIFY),
+                                    state.sampling, live, s=s)
+
+    # Emitted tokens this round: d_1..d_n then t, cut after the first EOS and at the budget.
+    j = jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [1, G+1]
+    drafted_next = jnp.concatenate([draft.tokens, next_token[:, None]], axis=1)  # [b, G+1]
+    emitted = jnp.where(j < n_acc[:, None], drafted_next, next_token[:, None])  # [b, G+1]
+    in_round = j <= n_acc[:, None]
+    eos_here = in_round & is_eos(emitted, s.config, state.ignore_eos)
+    eos_before = jnp.cumsum(eos_here, axis=1) - eos_here  # EOS strictly before j
+    keep = in_round & (eos_before == 0) & (j < (state.budget - state.emitted)[:, None]) & live[:, None]
+    emitted_now = state.emitted + keep.sum(axis=1).astype(jnp.int32)
+    hit_eos = (keep & eos_here).any(axis=1)
+    # A row also stops before a next round could write past its cache.
+    hit_length = (emitted_now >= state.budget) | (anchor_pos + n_acc + 1 + g + 1 > s.max_len)
+    finished = live & (hit_eos | hit_length)
+    reason = jnp.where(hit_eos, FINISHED_EOS, FINISHED_LENGTH)
+
+    # Commit: anchor and accepted drafts are now in the target cache and the drafter context.
+    committed_len = jnp.where(live, n_acc + 1, 0)
+    cache = dataclasses.replace(cache, lengths=anchor_pos + committed_len)
+    if mod is not None:
+        dstate = mod.extend(dparams, params, s.config, s.dconfig, dstate, block, features, positions,
+                            j < committed_len[:, None])
+
+    k = jnp.arange(g, dtype=jnp.int32)[None, :]
+    tried = live[:, None] & (k < lengths[:, None]) & (k <= n_acc[:, None])
+    accepted = tried & (k < n_acc[:, None])
+    state = dataclasses.replace(
+        state, cache=cache, drafter=dstate, anchor=jnp.where(live, next_token, state.anchor),
+        done=state.done | finished, finish_reason=jnp.where(finished, reason, state.finish_reason),
+        emitted=emitted_now, drafted=state.drafted + jnp.where(live, lengths, 0),
+        accepted=state.accepted + jnp.where(live, n_acc, 0), forwards=state.forwards + 1,
+        row_rounds=state.row_rounds + live.sum(dtype=jnp.int32),
+        committed=state.committed + committed_len.sum(dtype=jnp.int32),
+        tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
+        accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32))
+    return state, emitted, keep
 
 
-def decode_loop(params: dict, state: DecodeState, *, config: ModelConfig, sampling: SamplingConfig) -> DecodeState:
-    """All remaining steps in one lax.while_loop: runs until every row is done."""
+def step_width(rounds: int, block_size: int) -> int:
+    """Columns of a step's packed output: the first token plus G+1 per round."""
+    return 1 + rounds * (block_size + 1)
 
-    def cond(s: DecodeState):
-        return jnp.any(~s.done)
 
-    def body(s: DecodeState):
-        return decode_step(params, s, config=config, sampling=sampling)
+def step(params: dict, dparams, state: SlotState, *, rounds: int, s: DecodeSettings):
+    """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
 
-    return jax.lax.while_loop(cond, body, state)
+    Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32):
+    slot r committed tokens[r, :counts[r]] in this call, its first token (from insert) included
+    when unreported.
+    """
+    b = state.anchor.shape[0]
+    width = step_width(rounds, s.block_size)
+    out = jnp.zeros((b, width), jnp.int32).at[:, 0].set(jnp.where(state.unreported, state.anchor, 0))
+    counts = state.unreported.astype(jnp.int32)
+    state = dataclasses.replace(state, unreported=jnp.zeros_like(state.unreported))
+    rows = jnp.arange(b)[:, None]
+
+    def cond(carry):
+        i, st, _, _ = carry
+        return (i < rounds) & jnp.any(~st.done)
+
+    def body(carry):
+        i, st, out, counts = carry
+        st, emitted, keep = decode_round(params, dparams, st, s=s)
+        j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
+        at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
+        out = out.at[rows, at].set(emitted, mode="drop")
+        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32)
+
+    ran, state, out, counts = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out, counts))
+    return state, out, counts, ran

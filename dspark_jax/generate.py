@@ -1,20 +1,21 @@
-"""The public batched generate API."""
+"""The public batched generate API: a thin loop over an Engine (one slot per prompt)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decode import decode_loop, prefill
-from dspark_jax.prompts import bucket, encode_prompts, make_batch
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.engine import Engine
+from dspark_jax.prompts import bucket, check_prompts, encode_prompts
+from dspark_jax.sampling import SamplingParams
 from dspark_jax.target import Target
+
+# Rounds per Engine.step call: each call copies its tokens to the host once.
+MAX_ROUNDS_PER_STEP = 32
 
 
 @dataclasses.dataclass
@@ -22,26 +23,6 @@ class GenerateResult:
     texts: list[str]  # decoded new text per prompt (special tokens and the final EOS dropped)
     token_ids: list[list[int]]  # new token ids per prompt, EOS included when the row produced one
     stats: dict[str, Any]
-
-
-class _CompileCache:
-    """Ahead-of-time compiled executables keyed by function, static settings and input shapes."""
-
-    def __init__(self):
-        self._cache: dict = {}
-        self.last_compile_seconds = 0.0
-
-    def get(self, name: str, fn: Callable, static: tuple, args: tuple, donate: tuple[int, ...] = ()):
-        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
-        key = (name, static, shapes)
-        if key not in self._cache:
-            start = time.perf_counter()
-            self._cache[key] = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-            self.last_compile_seconds += time.perf_counter() - start
-        return self._cache[key]
-
-
-COMPILED = _CompileCache()
 
 
 def _decode_texts(tokenizer, token_ids: list[list[int]], eos_ids: Sequence[int]) -> list[str]:
@@ -52,6 +33,26 @@ def _decode_texts(tokenizer, token_ids: list[list[int]], eos_ids: Sequence[int])
         body = ids[:-1] if ids and ids[-1] in eos_ids else ids
         texts.append(tokenizer.decode(body, skip_special_tokens=True))
     return texts
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of row `row` of a generate call: distinct per row, a pure function of both."""
+    return int(np.random.SeedSequence([seed, row]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def engine_for(target: Target, drafter, slots: int, max_len: int, block_size: int | None, verifier: str) -> Engine:
+    """An Engine of these shapes, kept on the target so repeated calls reuse its compiled programs."""
+    key = (id(drafter), slots, max_len, block_size, verifier)
+    engine = target.engines.get(key)
+    if engine is None or engine.drafter is not drafter:
+        engine = Engine(target, drafter, slots=slots, max_len=max_len, block_size=block_size, verifier=verifier,
+                        mesh=target.mesh)
+        target.engines[key] = engine
+    return engine
 
 
 def generate(
@@ -67,131 +68,87 @@ def generate(
     drafter=None,
     block_size: int | None = None,
     verifier: str = "jnp",
-    profile: bool = True,
+    profile: bool = False,
     ignore_eos: bool = False,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt; rows stop at their own EOS.
 
     `prompts` is a list of strings (chat=True wraps each as a user message with the model's chat
     template) or a list of token-id lists. `ignore_eos=True` always generates `max_new_tokens`
-    (for benchmarks).
+    (for benchmarks). Row i samples with its own seed `row_seed(seed, i)`.
 
     With `drafter` (from `init_drafter`, `load_drafter`, or the name "ngram") generation is
     speculative: each round drafts `block_size` tokens (default: the drafter's), verifies them in
     one target forward and commits the accepted prefix; the output distribution is the target's
     (identical tokens when greedy). `verifier` picks the jnp reference or the "pallas" kernel.
-    `profile` adds a per-round cost split (measured once per compiled shape) to the stats.
+    `profile` adds a per-round cost split (each part jitted and timed alone) to the stats.
 
-    The whole decode loop runs on the device; shapes are bucketed (batch, prompt length, output
-    length) and compiled ahead once per bucket.
+    Runs on an Engine with one slot per prompt (slots bucketed to a power of two, the cache to
+    the bucketed need); the engine is kept on the target, so a repeated call compiles nothing.
     """
-    sampling = SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=top_p)
-    config = target.config
-    if ignore_eos:
-        config = dataclasses.replace(config, eos_token_ids=())
-    if verifier not in ("jnp", "pallas"):
-        raise ValueError(f"verifier must be 'jnp' or 'pallas', got {verifier!r}")
-    dconfig = None
-    if drafter is not None:
-        if isinstance(drafter, str):
-            from dspark_jax.drafters import load_drafter
+    if drafter is not None and isinstance(drafter, str):
+        from dspark_jax.drafters import load_drafter
 
-            drafter = load_drafter(drafter, target)
+        drafter = load_drafter(drafter, target)
+    if drafter is not None:
         drafter.check_target(target.config)
-        dconfig = drafter.config
-        if block_size is not None:
-            if block_size < 1:
-                raise ValueError(f"block_size must be >= 1, got {block_size}")
-            dconfig = dataclasses.replace(dconfig, block_size=int(block_size))
     elif block_size is not None:
         raise ValueError("block_size needs a drafter (drafter=None is plain autoregressive decoding)")
-
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=int(seed),
+                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     ids = encode_prompts(target.tokenizer, prompts, chat)
-    pad_id = config.pad_token_id if config.pad_token_id is not None else 0
-    extra = 0 if dconfig is None else dconfig.block_size + 1
-    batch = make_batch(ids, config, max_new_tokens, pad_id, extra_slots=extra)
-    out_len = bucket(max_new_tokens)
-    budget = np.where(np.arange(len(batch.lengths)) < batch.num_rows, max_new_tokens, 0).astype(np.int32)
-    inputs = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(budget), jax.random.PRNGKey(seed))
-    COMPILED.last_compile_seconds = 0.0
-    if dconfig is None:
-        run, extra_stats = _plain_program(target, config, sampling, batch.cache_len, out_len, inputs)
-    else:
-        run, extra_stats = _spec_program(target, config, drafter, dconfig, sampling, batch.cache_len, out_len,
-                                         verifier, profile, inputs)
+    g = 0 if drafter is None else (block_size or drafter.config.block_size)
+    extra = g + 1 if drafter is not None else 0
+    check_prompts(ids, target.config, max_new_tokens, extra)
+    max_len = min(bucket(max(len(r) for r in ids) + max_new_tokens + extra, minimum=128),
+                  target.config.max_position_embeddings)
+    engine = engine_for(target, drafter, _pow2(len(ids)), max_len, block_size, verifier)
+    compile_before = engine.compile_seconds
     start = time.perf_counter()
-    state = run()
-    out, num_out, forwards = jax.device_get((state.out, state.num_out, state.forwards))
-    wall = time.perf_counter() - start
 
-    token_ids = [out[i, : num_out[i]].tolist() for i in range(batch.num_rows)]
+    state = engine.new_state()
+    requests = [(i, row, dataclasses.replace(params, seed=row_seed(seed, i))) for i, row in enumerate(ids)]
+    state = engine.insert_many(state, requests)
+    split = {}
+    if profile and drafter is not None:
+        from dspark_jax.profiling import round_cost_split
+
+        split = round_cost_split(engine, state)
+    rounds = min(_pow2(max_new_tokens), MAX_ROUNDS_PER_STEP)
+    token_ids = [[] for _ in ids]
+    finished = [False] * len(ids)
+    while not all(finished):
+        state, out = engine.step(state, rounds=rounds)
+        for i in range(len(ids)):
+            token_ids[i].extend(out.tokens[i])
+            finished[i] = out.finished[i]
+    forwards, row_rounds, committed, tried, accepted = jax.device_get(
+        (state.forwards, state.row_rounds, state.committed, state.tried, state.accepted_at))
+    compile_seconds = engine.compile_seconds - compile_before
+    wall = time.perf_counter() - start - compile_seconds - sum(split.values())
+
     new_tokens = int(sum(len(t) for t in token_ids))
     stats = {
         "new_tokens": new_tokens,
         "target_forward_passes": int(forwards),
         "wall_seconds": wall,
         "tokens_per_second": new_tokens / wall if wall > 0 else float("inf"),
-        "compile_seconds": COMPILED.last_compile_seconds,
-        "batch_bucket": int(batch.tokens.shape[0]),
-        "prompt_bucket": int(batch.tokens.shape[1]),
+        "compile_seconds": compile_seconds,
+        "batch_bucket": engine.slots,
+        "max_len": engine.max_len,
     }
-    stats.update(extra_stats(state))
-    texts = _decode_texts(target.tokenizer, token_ids, config.eos_token_ids)
-    return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)
-
-
-def _compile_program(name: str, prefill_part, loop_part, static: tuple, weights: tuple, inputs: tuple):
-    """Compile prefill(*weights, *inputs) -> state and loop(*weights, state) -> state ahead (state
-    donated to the loop); returns (prefill_fn, loop_fn)."""
-    args = (*weights, *inputs)
-    prefill_fn = COMPILED.get(f"{name}_prefill", prefill_part, static, args)
-    state_shape = jax.eval_shape(prefill_part, *args)
-    loop_fn = COMPILED.get(f"{name}_loop", loop_part, static, (*weights, state_shape), donate=(len(weights),))
-    return prefill_fn, loop_fn
-
-
-def _plain_program(target, config, sampling, cache_len, out_len, inputs):
-    """Compiled prefill + autoregressive loop; returns (run, stats_fn)."""
-    prefill_fn, loop_fn = _compile_program(
-        "decode", functools.partial(prefill, config=config, sampling=sampling, cache_len=cache_len, out_len=out_len),
-        functools.partial(decode_loop, config=config, sampling=sampling),
-        (config, sampling, cache_len, out_len), (target.params,), inputs)
-    return (lambda: loop_fn(target.params, prefill_fn(target.params, *inputs))), (lambda state: {})
-
-
-_PROFILES: dict = {}
-
-
-def _spec_program(target, config, drafter, dconfig, sampling, cache_len, out_len, verifier, profile, inputs):
-    """Compiled speculative prefill + round loop; returns (run, stats_fn)."""
-    from dspark_jax.spec_decode import SpecSettings, profile_round, spec_loop, spec_prefill
-
-    settings = SpecSettings(config=config, dconfig=dconfig, sampling=sampling, cache_len=cache_len,
-                            out_len=out_len, verifier=verifier)
-    weights = (target.params, drafter.params)
-    prefill_fn, loop_fn = _compile_program("spec", functools.partial(spec_prefill, s=settings),
-                                           functools.partial(spec_loop, s=settings), (settings,), weights, inputs)
-    split = {}
-    if profile:
-        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((weights, inputs)))
-        key = (settings, shapes)  # timings depend on shapes and settings, not on weight values
-        if key not in _PROFILES:
-            _PROFILES[key] = profile_round(*weights, prefill_fn(*weights, *inputs), s=settings)
-        split = _PROFILES[key]
-
-    def stats(state):
-        row_rounds, committed, tried, accepted = jax.device_get(
-            (state.row_rounds, state.committed, state.tried, state.accepted))
-        result = {
-            "drafter": dconfig.kind,
-            "block_size": dconfig.block_size,
+    if drafter is not None:
+        stats.update({
+            "drafter": drafter.config.kind,
+            "block_size": engine.block_size,
             "tau": float(committed) / max(int(row_rounds), 1),
             "acceptance_per_position": [float(a) / float(t) if t else None for a, t in zip(accepted, tried)],
-            "verify_rounds": int(state.forwards) - 1,
-        }
-        result.update(split)
+            "verify_rounds": int(forwards) - 1,
+        })
+        stats.update(split)
         if split:
-            result["drafter_to_target_time"] = split["drafter_seconds_per_round"] / split["target_seconds_per_round"]
-        return result
-
-    return (lambda: loop_fn(*weights, prefill_fn(*weights, *inputs))), stats
+            stats["drafter_to_target_time"] = split["drafter_seconds_per_round"] / split["target_seconds_per_round"]
+    texts = _decode_texts(target.tokenizer, token_ids, target.config.eos_token_ids)
+    return GenerateResult(texts=texts, token_ids=token_ids, stats=stats)

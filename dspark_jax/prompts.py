@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -55,20 +54,10 @@ def bucket(n: int, minimum: int = 16) -> int:
     return -(-n // step) * step
 
 
-@dataclasses.dataclass
-class PromptBatch:
-    tokens: np.ndarray  # [batch_bucket, prompt_bucket] int32, right-padded
-    lengths: np.ndarray  # [batch_bucket] int32; padding rows copy row 0 and get a zero budget
-    num_rows: int  # real rows
-    cache_len: int  # slots per row in the KV cache
-
-
-def make_batch(
-    ids: list[list[int]], config: ModelConfig, max_new_tokens: int, pad_id: int, extra_slots: int = 0
-) -> PromptBatch:
-    """Pad prompts to a bucketed [batch, length] array; check every row fits the context."""
-    if max_new_tokens < 1:
-        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+def check_prompts(ids: list[list[int]], config: ModelConfig, max_new_tokens: int, extra_slots: int = 0) -> None:
+    """Every row fits the model's context with its budget, and every id is in the vocabulary."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     limit = config.max_position_embeddings
     for i, row in enumerate(ids):
         need = len(row) + max_new_tokens + extra_slots
@@ -80,14 +69,3 @@ def make_batch(
         bad = [t for t in row if not 0 <= t < config.vocab_size]
         if bad:
             raise PromptError(f"prompt {i} has token ids outside the vocabulary [0, {config.vocab_size}): {bad[:5]}")
-    rows = 1 << (len(ids) - 1).bit_length()  # powers of two
-    longest = max(len(r) for r in ids)
-    width = bucket(longest)
-    tokens = np.full((rows, width), pad_id, np.int32)
-    lengths = np.zeros((rows,), np.int32)
-    for i in range(rows):
-        row = ids[i] if i < len(ids) else ids[0]
-        tokens[i, : len(row)] = row
-        lengths[i] = len(row)
-    cache_len = bucket(width + max_new_tokens + extra_slots, minimum=128)
-    return PromptBatch(tokens=tokens, lengths=lengths, num_rows=len(ids), cache_len=cache_len)

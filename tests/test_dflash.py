@@ -14,7 +14,7 @@ from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.losses import dflash_loss, dspark_loss, position_weights
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import forward
-from dspark_jax.sampling import SamplingConfig
+from dspark_jax.sampling import RowSampling
 
 TCFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -203,9 +203,11 @@ def test_draft_matches_train_forward(case):
     # Forcing the drafted tokens to the teacher tokens makes the head scan see the same previous
     # tokens as teacher forcing; at temperature 1 the draft probs are softmax(logits).
     forced = tokens[rows[:, None], anchor_pos[:, None] + 1 + jnp.arange(G)]
-    draft = jax.jit(dflash.draft, static_argnums=(2, 3, 8))
-    out, _ = draft(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, jax.random.PRNGKey(0),
-                   SamplingConfig(temperature=1.0), forced)
+    draft = jax.jit(dflash.draft, static_argnums=(2, 3))
+    b = anchor.shape[0]
+    keys = jnp.stack([jax.random.PRNGKey(0)] * b)
+    out, _ = draft(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, keys, RowSampling.uniform(b, temperature=1.0),
+                   forced)
     np.testing.assert_array_equal(out.tokens, forced)
     np.testing.assert_allclose(out.probs, jax.nn.softmax(train["logits"][:, 0], -1), atol=1e-5)
     np.testing.assert_allclose(out.confidence_logits, train["confidence_logits"][:, 0], atol=1e-5)
@@ -215,7 +217,7 @@ def test_draft_matches_train_forward(case):
         np.testing.assert_array_equal(out.confidence_logits, 0.0)
 
     # Greedy drafting: one-hot probs of the argmax of the head-corrected logits.
-    out, _ = draft(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, jax.random.PRNGKey(0), SamplingConfig())
+    out, _ = draft(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, keys, RowSampling.uniform(b))
     np.testing.assert_array_equal(out.probs, jax.nn.one_hot(out.tokens, tcfg.vocab_size))
     train_g = _train(dp, tp, tcfg, dcfg, tokens.at[rows[:, None], anchor_pos[:, None] + 1
                                                                + jnp.arange(G - 1)].set(out.tokens[:, :-1]),
@@ -320,12 +322,13 @@ def test_sampled_draft_is_consistent():
     anchor_pos = jnp.array([6, 10], jnp.int32)
     anchor = tokens[jnp.arange(2), anchor_pos]
     state = _context(tcfg, dcfg, tp, dp, feats, jnp.arange(T)[None, :] < anchor_pos[:, None])
-    for sampling in (SamplingConfig(temperature=0.8), SamplingConfig(temperature=1.3, top_k=5, top_p=0.9)):
-        run = jax.jit(functools.partial(dflash.draft, tcfg=tcfg, dcfg=dcfg, sampling=sampling))
+    for top_k, sampling in ((None, RowSampling.uniform(2, temperature=0.8)),
+                            (5, RowSampling.uniform(2, temperature=1.3, top_k=5, top_p=0.9))):
+        run = jax.jit(functools.partial(dflash.draft, tcfg=tcfg, dcfg=dcfg))
         tok_sets = []
         for seed in range(3):
             out, state_out = run(dp, tp, state=state, anchor=anchor, anchor_pos=anchor_pos,
-                                 key=jax.random.PRNGKey(seed))
+                                 keys=jax.random.split(jax.random.PRNGKey(seed), 2), sampling=sampling)
             assert out.tokens.shape == (2, G) and out.tokens.dtype == jnp.int32
             np.testing.assert_allclose(out.probs.sum(-1), 1.0, atol=1e-5)
             picked = np.take_along_axis(np.asarray(out.probs), np.asarray(out.tokens)[..., None], -1)
@@ -334,5 +337,5 @@ def test_sampled_draft_is_consistent():
             tok_sets.append(np.asarray(out.tokens))
         assert state_out.k is not None and np.array_equal(np.asarray(state_out.k), np.asarray(state.k))
         assert any(not np.array_equal(tok_sets[0], t) for t in tok_sets[1:])  # the key matters
-        if sampling.top_k:
+        if top_k:
             assert np.all((np.asarray(out.probs) > 0).sum(-1) <= 5)

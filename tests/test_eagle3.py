@@ -10,7 +10,7 @@ from dspark_jax.drafters import eagle3
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import forward
-from dspark_jax.sampling import SamplingConfig, filtered_probs
+from dspark_jax.sampling import RowSampling, filtered_probs
 
 TCFG = ModelConfig(family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                    num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
@@ -19,10 +19,9 @@ DCFG = DrafterConfig(kind="eagle3", block_size=4, num_layers=1, head_type="none"
 G = DCFG.block_size
 T = 24
 CACHE = 32
-GREEDY = SamplingConfig()
 
 _extend = jax.jit(eagle3.extend, static_argnums=(2, 3))
-_draft = jax.jit(eagle3.draft_with_logits, static_argnums=(2, 3, 8))
+_draft = jax.jit(eagle3.draft_with_logits, static_argnums=(2, 3))
 _train = jax.jit(eagle3.train_forward, static_argnums=(2, 3, 6))
 _features = jax.jit(lambda p, toks: forward(p, TCFG, toks, jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape),
                                             feature_layers=DCFG.target_layer_ids)[2])
@@ -74,11 +73,13 @@ def _prefill(tparams, dparams, tokens, feats, lengths, cache=CACHE):
     return _extend(dparams, tparams, TCFG, DCFG, state, tokens, feats, pos, pos < jnp.asarray(lengths)[:, None])
 
 
-def _draft_at(tparams, dparams, state, tokens, anchor_pos, sampling=GREEDY, key=None):
+def _draft_at(tparams, dparams, state, tokens, anchor_pos, sampling=None, key=None):
     anchor_pos = jnp.asarray(anchor_pos, jnp.int32)
     anchor = jnp.take_along_axis(tokens, anchor_pos[:, None], axis=1)[:, 0]
-    key = jax.random.PRNGKey(7) if key is None else key
-    return _draft(dparams, tparams, TCFG, DCFG, state, anchor, anchor_pos, key, sampling)
+    b = anchor.shape[0]
+    keys = jax.random.split(jax.random.PRNGKey(7) if key is None else key, b)
+    sampling = RowSampling.uniform(b) if sampling is None else sampling
+    return _draft(dparams, tparams, TCFG, DCFG, state, anchor, anchor_pos, keys, sampling)
 
 
 def test_inference_matches_training_unroll(setup):
@@ -194,14 +195,14 @@ def test_sampling_path(setup):
     tparams, dparams, tokens = setup
     P = np.array([8, 10])
     state = _prefill(tparams, dparams, tokens, _features(tparams, tokens), P)
-    cfg = SamplingConfig(temperature=0.9, top_k=6)
+    cfg = RowSampling.uniform(2, temperature=0.9, top_k=6)
     out, logits, _ = _draft_at(tparams, dparams, state, tokens, P, cfg, jax.random.PRNGKey(3))
     probs, drafted = np.asarray(out.probs), np.asarray(out.tokens)
     assert probs.shape == (2, G, TCFG.vocab_size)
     np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
     assert np.all(np.take_along_axis(probs, drafted[..., None], -1) > 0)
     assert np.all((probs > 0).sum(-1) <= 6)
-    np.testing.assert_allclose(probs, np.asarray(filtered_probs(logits, cfg)), atol=1e-6)
+    np.testing.assert_allclose(probs, np.asarray(jax.vmap(filtered_probs, (1, None), 1)(logits, cfg)), atol=1e-6)
     out2, _, _ = _draft_at(tparams, dparams, state, tokens, P, cfg, jax.random.PRNGKey(4))
     outs = {tuple(np.asarray(out.tokens).ravel()), tuple(np.asarray(out2.tokens).ravel())}
     assert len(outs) == 2  # the key drives the samples

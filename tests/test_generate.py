@@ -15,7 +15,7 @@ from dspark_jax import generate, load_target
 from dspark_jax.models.config import ConfigError
 from dspark_jax.models.loading import ModelNotFoundError
 from dspark_jax.prompts import PromptError
-from dspark_jax.sampling import SamplingConfig, filtered_probs
+from dspark_jax.sampling import RowSampling, SamplingParams, filtered_probs
 
 
 @pytest.fixture(scope="module")
@@ -95,25 +95,39 @@ def test_sampling_matches_target_distribution(tiny):
     assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof)
 
 
-def test_filtered_probs_against_numpy():
-    rng = np.random.default_rng(5)
-    logits = rng.normal(size=(4, 50)).astype(np.float32) * 3
-    cfg = SamplingConfig(temperature=0.7, top_k=10, top_p=0.8)
-    got = np.asarray(filtered_probs(jnp.asarray(logits), cfg))
-    for row, probs in zip(logits, got):
-        z = row / 0.7
-        order = np.argsort(-z)
-        keep = np.zeros(50, bool)
-        keep[order[:10]] = True
-        p = np.exp(z - z.max()) * keep
-        p /= p.sum()
+def _numpy_filtered(row, temperature, top_k, top_p):
+    """Plain-numpy reference of one row's sampling distribution."""
+    v = row.size
+    if temperature == 0:
+        return np.eye(v)[np.argmax(row)]
+    z = row / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.ones(v, bool)
+    if top_k is not None:
+        keep[:] = False
+        keep[order[:top_k]] = True
+    p = np.exp(z - z.max()) * keep
+    p /= p.sum()
+    if top_p is not None and top_p < 1:
         sorted_p = p[order]
         before = np.cumsum(sorted_p) - sorted_p
-        keep2 = np.zeros(50, bool)
-        keep2[order[before < 0.8]] = True
-        ref = p * keep2
-        ref /= ref.sum()
-        np.testing.assert_allclose(probs, ref, atol=1e-6)
+        keep2 = np.zeros(v, bool)
+        keep2[order[before < top_p]] = True
+        p = p * keep2
+        p /= p.sum()
+    return p
+
+
+def test_filtered_probs_per_row_against_numpy():
+    """Rows with different settings in one batch each get their own filtered distribution."""
+    rng = np.random.default_rng(5)
+    settings = [(0.7, 10, 0.8), (1.3, None, None), (0.0, None, None), (0.9, 3, None), (1.0, None, 0.5),
+                (0.5, 50, 1.0), (2.0, 1, None)]
+    logits = rng.normal(size=(len(settings), 50)).astype(np.float32) * 3
+    rs = RowSampling.from_params([SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in settings])
+    got = np.asarray(jax.jit(filtered_probs)(jnp.asarray(logits), rs))
+    for row, probs, (t, k, p) in zip(logits, got, settings):
+        np.testing.assert_allclose(probs, _numpy_filtered(row.astype(np.float64), t, k, p), atol=1e-6)
 
 
 def test_user_errors(tiny, tmp_path):

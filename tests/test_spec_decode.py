@@ -130,7 +130,7 @@ def test_pallas_verifier_gives_the_same_tokens(tiny):
 
 def test_stats_report_tau_acceptance_and_cost_split(tiny):
     drafter = init_drafter(tiny, "dspark", seed=0, block_size=4)
-    result = generate(tiny, _prompts(2), max_new_tokens=12, drafter=drafter)
+    result = generate(tiny, _prompts(2), max_new_tokens=12, drafter=drafter, profile=True)
     stats = result.stats
     assert len(stats["acceptance_per_position"]) == 4
     assert stats["target_forward_passes"] == stats["verify_rounds"] + 1

@@ -13,14 +13,16 @@ pytrees); the speculative loop in `dspark_jax.spec_decode` only calls these:
         positions [b, t], their target features [b, t, m, e] (layers dcfg.target_layer_ids,
         None for drafters that read no features), valid [b, t] bool (only valid entries are
         written; invalid ones must leave the state unchanged).
-    draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, key, sampling)
+    draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling)
         -> (DraftOutput, state)
         Propose dcfg.block_size tokens after the anchor [b] int32 sitting at position
         anchor_pos [b] (the anchor itself is committed but not yet in the context: its
         features do not exist yet). Only context slots < anchor_pos may influence the draft.
-        `sampling` is a dspark_jax.sampling.SamplingConfig: greedy -> argmax tokens; otherwise
-        sample token k from the filtered draft distribution q_k (filtered_probs of the
-        corrected logits) and return q_k in DraftOutput.probs.
+        `sampling` is a dspark_jax.sampling.RowSampling (per-row settings, data) and `keys`
+        [b, 2] the rows' keys for this round (position k folds in k): a greedy row drafts the
+        argmax with a one-hot q_k; a sampled row samples token k from its filtered draft
+        distribution q_k (sample_with_probs of the corrected logits), returned in
+        DraftOutput.probs.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftO
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.layers import rms_norm
 from dspark_jax.models.transformer import embed, lm_head_weight, mlp_residual, project_qkv, target_rope
-from dspark_jax.sampling import SamplingConfig, filtered_probs, sample_tokens
+from dspark_jax.sampling import RowSampling, sample_with_probs
 
 
 @jax.tree_util.register_dataclass
@@ -242,7 +242,7 @@ def draft_backbone(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)
     return h, _to_full_vocab(params, tcfg, _vocab_logits(params, target_params, h))
 
 
-def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, key, sampling: SamplingConfig,
+def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling: RowSampling,
           forced_tokens=None):
     """Draft G tokens after the anchor; see the interface in drafters/config.py.
 
@@ -261,11 +261,7 @@ def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, key, sam
         u_k, h_k, k, forced_k = xs
         bias, conf, rnn_state = _head_outputs(params, dcfg, h_k, prev, rnn_state)
         logits = _to_full_vocab(params, tcfg, u_k + bias)  # [b, V]
-        token = sample_tokens(logits, jax.random.fold_in(key, k), sampling)  # [b]
-        if sampling.greedy:
-            probs = jax.nn.one_hot(token, tcfg.vocab_size, dtype=jnp.float32)
-        else:
-            probs = filtered_probs(logits, sampling)
+        token, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, k), sampling)
         if forced_tokens is not None:
             token = forced_k
         return (token, rnn_state), (token, probs, conf)

@@ -40,7 +40,7 @@ from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftO
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.layers import rms_norm
 from dspark_jax.models.transformer import attention_out, embed, logits_from_hidden, mlp_residual, project_qkv, target_rope
-from dspark_jax.sampling import SamplingConfig, argmax_last, filtered_probs, sample_tokens
+from dspark_jax.sampling import RowSampling, sample_with_probs
 
 STEP_DECAY = 0.8  # EAGLE-3's weight on the loss of unrolled step j: 0.8 ** j
 
@@ -141,8 +141,8 @@ def extend(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterCo
 
 
 def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig,
-                      state: Eagle3State, anchor: jax.Array, anchor_pos: jax.Array, key: jax.Array | None,
-                      sampling: SamplingConfig):
+                      state: Eagle3State, anchor: jax.Array, anchor_pos: jax.Array, keys: jax.Array,
+                      sampling: RowSampling):
     """`draft`, also returning the raw drafter logits [b, G, V] (for tests and evaluation).
 
     Step 1 writes the committed entry (pending, E(anchor)) at slot anchor_pos - 1; step k > 1 feeds
@@ -155,7 +155,7 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
     rows = jnp.arange(b)
     slots = jnp.arange(cache_len, dtype=jnp.int32)
 
-    def step(carry, step_key):
+    def step(carry, j):
         x, token, pos, cache_k, cache_v = carry  # [b, e], [b], [b], [b, S, kv, d] x2
         emb = embed(target_params, token)[:, None]  # [b, 1, e]
         q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x[:, None], emb), target_rope(tcfg, pos[:, None]))
@@ -166,26 +166,20 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
         attn = attention_out(lp, q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask)  # [b, 1, e]
         g = mlp_residual(lp, tcfg, x[:, None] + attn)[:, 0]  # [b, e]
         logits = logits_from_hidden(target_params, rms_norm(g, params["final_norm"], tcfg.rms_norm_eps))
-        if sampling.greedy:
-            new_token = argmax_last(logits)
-            probs = jax.nn.one_hot(new_token, logits.shape[-1], dtype=jnp.float32)
-        else:
-            new_token = sample_tokens(logits, step_key, sampling)
-            probs = filtered_probs(logits, sampling)
+        new_token, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, j), sampling)
         return (g, new_token, pos + 1, cache_k, cache_v), (new_token, probs, logits)
 
-    step_keys = None if sampling.greedy else jax.random.split(key, steps)
     init = (state.pending, anchor.astype(jnp.int32), anchor_pos.astype(jnp.int32) - 1, state.k, state.v)
-    (_, _, _, cache_k, cache_v), (tokens, probs, logits) = jax.lax.scan(step, init, step_keys, length=steps)
+    (_, _, _, cache_k, cache_v), (tokens, probs, logits) = jax.lax.scan(step, init, jnp.arange(steps))
     out = DraftOutput(tokens=tokens.T, probs=jnp.moveaxis(probs, 0, 1),
                       confidence_logits=jnp.zeros((b, steps), jnp.float32))
     return out, jnp.moveaxis(logits, 0, 1), Eagle3State(k=cache_k, v=cache_v, pending=state.pending)
 
 
 def draft(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, state: Eagle3State,
-          anchor: jax.Array, anchor_pos: jax.Array, key: jax.Array | None, sampling: SamplingConfig):
+          anchor: jax.Array, anchor_pos: jax.Array, keys: jax.Array, sampling: RowSampling):
     """Draft dcfg.block_size tokens after anchor [b] at anchor_pos [b] -> (DraftOutput, state)."""
-    out, _, state = draft_with_logits(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, key, sampling)
+    out, _, state = draft_with_logits(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling)
     return out, state
 
 

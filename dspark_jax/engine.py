@@ -1,0 +1,265 @@
+"""The Engine: a fixed number of decode slots over one target (and optional drafter), with its
+compiled programs (DESIGN.md section 8.2; JetStream's prefill / insert / generate split).
+
+    engine = Engine(target, drafter, slots=8, max_len=2048)
+    state = engine.new_state()
+    state = engine.insert(state, slot, prompt_token_ids, SamplingParams(...))
+    state, out = engine.step(state, rounds=4)   # out.tokens[slot], out.finished[slot], ...
+    state = engine.free(state, slot)
+
+The state is a pytree of device arrays (decode.SlotState) that every program donates and
+returns, so the KV cache is updated in place. Sampling settings, budgets and seeds are per-slot
+data: a new temperature never compiles anything. Programs are compiled ahead per bucketed shape
+(`warmup`), and each engine owns its own compiled programs: two engines never share state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax import decode
+from dspark_jax.decode import DecodeSettings, Requests, SlotState
+from dspark_jax.prompts import PromptError
+from dspark_jax.sampling import RowSampling, SamplingParams
+
+FINISH_REASONS = {decode.NOT_FINISHED: None, decode.FINISHED_EOS: "eos", decode.FINISHED_LENGTH: "length"}
+VERIFIERS = ("jnp", "pallas")
+
+
+class SlotError(ValueError):
+    """A request aimed at a slot that cannot take it (out of range, or busy)."""
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one `Engine.step` committed, per slot (host values, copied from the device once)."""
+
+    tokens: list[list[int]]  # token ids committed in this call (the request's first one included)
+    finished: list[bool]  # the slot's request is complete (it stays so until the slot is freed)
+    finish_reason: list[str | None]  # "eos" | "length" | None
+    drafted: list[int]  # draft tokens sent to verification for the slot's request so far
+    accepted: list[int]  # ... of which the target accepted
+    rounds: int  # rounds run (fewer than asked when every slot was done)
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """jax.random.PRNGKey(seed) (threefry: the high and low 32 bits) built on the host, so an
+    insert needs no device work before its own program."""
+    return np.asarray([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+
+
+def prefill_buckets(max_len: int, minimum: int = 16) -> tuple[int, ...]:
+    """Prompt-length buckets of the insert program: powers of two from `minimum`, and max_len."""
+    buckets, b = [], minimum
+    while b < max_len:
+        buckets.append(b)
+        b *= 2
+    return tuple(buckets) + (max_len,)
+
+
+class Engine:
+    """Decode slots over a target and an optional drafter; see the module docstring."""
+
+    def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 2048, block_size: int | None = None,
+                 verifier: str = "jnp", mesh=None):
+        if not isinstance(slots, (int, np.integer)) or slots < 1:
+            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        if verifier not in VERIFIERS:
+            raise ValueError(f"verifier must be one of {', '.join(VERIFIERS)}, got {verifier!r}")
+        config = target.config
+        if not isinstance(max_len, (int, np.integer)) or max_len < 2:
+            raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
+        max_len = min(int(max_len), config.max_position_embeddings)  # never past the model's context
+        dconfig = None
+        if drafter is not None:
+            if isinstance(drafter, str):
+                from dspark_jax.drafters import load_drafter
+
+                drafter = load_drafter(drafter, target)
+            drafter.check_target(config)
+            dconfig = drafter.config
+            if block_size is not None:
+                if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+                    raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+                dconfig = dataclasses.replace(dconfig, block_size=int(block_size))
+        elif block_size is not None:
+            raise ValueError("block_size needs a drafter (drafter=None is plain autoregressive decoding)")
+        self.target = target
+        self.drafter = drafter
+        self.mesh = mesh
+        self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
+                                       verifier=verifier)
+        self.prefill_buckets = prefill_buckets(max_len)
+        self.compile_seconds = 0.0  # total time spent compiling this engine's programs
+        self._programs: dict = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def slots(self) -> int:
+        return self.settings.slots
+
+    @property
+    def max_len(self) -> int:
+        return self.settings.max_len
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size
+
+    @property
+    def extra_positions(self) -> int:
+        """Cache positions a request needs beyond prompt + budget (a round verifies G+1 tokens)."""
+        return 0 if self.settings.dconfig is None else self.block_size + 1
+
+    def _weights(self):
+        return self.target.params, (None if self.drafter is None else self.drafter.params)
+
+    # ------------------------------------------------------------------ compiled programs
+    def _program(self, name: str, fn: Callable, args: tuple, donate: tuple[int, ...] = ()):
+        """The executable of fn(*weights, *args), compiled ahead once per input shapes."""
+        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        key = (name, shapes)
+        if key not in self._programs:
+            start = time.perf_counter()
+            weights = self._weights()
+            jitted = jax.jit(fn, donate_argnums=tuple(2 + i for i in donate))
+            self._programs[key] = jitted.lower(*weights, *args).compile()
+            self.compile_seconds += time.perf_counter() - start
+        return self._programs[key]
+
+    def _state_shape(self):
+        return jax.eval_shape(functools.partial(decode.new_state, s=self.settings), *self._weights())
+
+    def _run(self, name: str, fn: Callable, args: tuple, donate: tuple[int, ...] = ()):
+        return self._program(name, fn, args, donate)(*self._weights(), *args)
+
+    def new_state(self) -> SlotState:
+        """Every slot free; buffers allocated on the device."""
+        return self._run("new_state", lambda p, dp: decode.new_state(p, dp, self.settings), ())
+
+    def _insert_fn(self):
+        s = self.settings
+        return lambda p, dp, state, req: decode.insert(p, dp, state, req, s=s)
+
+    def _step_fn(self, rounds: int):
+        s = self.settings
+        return lambda p, dp, state: decode.step(p, dp, state, rounds=rounds, s=s)
+
+    @staticmethod
+    def _free_fn(p, dp, state, slot):
+        return decode.free(state, slot)
+
+    def _abstract_requests(self, n: int, length: int) -> Requests:
+        spec = jax.ShapeDtypeStruct
+        vec = lambda dtype: spec((n,), dtype)  # noqa: E731
+        return Requests(tokens=spec((n, length), jnp.int32), lengths=vec(jnp.int32), slots=vec(jnp.int32),
+                        budget=vec(jnp.int32), ignore_eos=vec(jnp.bool_),
+                        sampling=RowSampling(vec(jnp.float32), vec(jnp.int32), vec(jnp.float32)),
+                        seed_key=spec((n, 2), jnp.uint32))
+
+    def warmup(self, rounds: Sequence[int] = (1,), insert_batches: Sequence[int] = (1,)) -> float:
+        """Compile every program a request can need ahead: the insert program for each prompt
+        bucket and each batch size in `insert_batches` (powers of two), a step for each value in
+        `rounds`, and free. Returns the seconds it took."""
+        start = time.perf_counter()
+        self.new_state()
+        state = self._state_shape()
+        for n in insert_batches:
+            for length in self.prefill_buckets:
+                self._program("insert", self._insert_fn(), (state, self._abstract_requests(_pow2(n), length)), (0,))
+        for r in rounds:
+            self._program(f"step{int(r)}", self._step_fn(int(r)), (state,), (0,))
+        self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ requests
+    def _check_request(self, slot, ids, params: SamplingParams, index: int) -> list[int]:
+        cfg = self.settings.config
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
+            raise SlotError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a dspark_jax.SamplingParams, got {type(params).__name__}")
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+            raise PromptError(f"prompt {index} must be a list of token ids")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise PromptError(f"prompt {index} is empty")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise PromptError(f"prompt {index} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
+        need = len(ids) + params.max_new_tokens + self.extra_positions
+        if need > self.max_len:
+            raise PromptError(
+                f"prompt {index} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} it needs {need} "
+                f"positions but the engine's max_len is {self.max_len}")
+        return ids
+
+    def insert(self, state: SlotState, slot: int, prompt_token_ids: Sequence[int], params: SamplingParams) -> SlotState:
+        """Prefill one request into a free slot; its tokens (the first one included) come out of
+        later `step` calls. Bad input raises before the state is touched."""
+        return self.insert_many(state, [(slot, prompt_token_ids, params)])
+
+    def insert_many(self, state: SlotState, requests: Sequence[tuple[int, Sequence[int], SamplingParams]]) -> SlotState:
+        """Prefill several requests in one program (batch bucketed to a power of two): each is
+        (slot, prompt_token_ids, params). Bad input raises before the state is touched."""
+        if not requests:
+            return state
+        checked = [self._check_request(slot, ids, params, i) for i, (slot, ids, params) in enumerate(requests)]
+        slots = [int(r[0]) for r in requests]
+        if len(set(slots)) != len(slots):
+            raise SlotError(f"a slot appears twice in one insert: {slots}")
+        occupied = np.asarray(jax.device_get(state.occupied))
+        busy = [s for s in slots if occupied[s]]
+        if busy:
+            raise SlotError(f"slot {busy[0]} is busy; free it first (engine.free(state, {busy[0]}))")
+        n = _pow2(len(requests))
+        longest = max(len(ids) for ids in checked)
+        length = next(b for b in self.prefill_buckets if b >= longest)
+        pad_id = self.settings.config.pad_token_id or 0
+        tokens = np.full((n, length), pad_id, np.int32)
+        rows = [checked[i] if i < len(checked) else checked[0] for i in range(n)]
+        for i, ids in enumerate(rows):
+            tokens[i, :len(ids)] = ids
+        params = [requests[i][2] if i < len(requests) else requests[0][2] for i in range(n)]
+        req = Requests(
+            tokens=tokens, lengths=np.asarray([len(ids) for ids in rows], np.int32),
+            slots=np.asarray(slots + [-1] * (n - len(slots)), np.int32),
+            budget=np.asarray([p.max_new_tokens for p in params], np.int32),
+            ignore_eos=np.asarray([p.ignore_eos for p in params], bool), sampling=RowSampling.from_params(params),
+            seed_key=np.stack([seed_key(p.seed) for p in params]))
+        return self._run("insert", self._insert_fn(), (state, req), (0,))
+
+    def step(self, state: SlotState, rounds: int = 1) -> tuple[SlotState, StepOutput]:
+        """Run up to `rounds` decoding rounds for every live slot in one device loop and copy
+        the committed tokens to the host once."""
+        if not isinstance(rounds, (int, np.integer)) or rounds < 1:
+            raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+        state, tokens, counts, ran = self._run(f"step{int(rounds)}", self._step_fn(int(rounds)), (state,), (0,))
+        tokens, counts, occupied, done, reason, drafted, accepted, ran = jax.device_get(
+            (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran))
+        finished = occupied & done
+        out = StepOutput(
+            tokens=[tokens[i, :counts[i]].tolist() for i in range(self.slots)], finished=finished.tolist(),
+            finish_reason=[FINISH_REASONS[int(r)] if f else None for r, f in zip(reason, finished)],
+            drafted=drafted.tolist(), accepted=accepted.tolist(), rounds=int(ran))
+        return state, out
+
+    def free(self, state: SlotState, slot: int) -> SlotState:
+        """A finished or cancelled slot becomes free (freeing a free slot is a no-op)."""
+        if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
+            raise SlotError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
+        return self._run("free", self._free_fn, (state, np.int32(slot)), (0,))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+__all__ = ["Engine", "SamplingParams", "SlotError", "StepOutput"]

@@ -1,0 +1,61 @@
+"""Cost split of one speculative round (for benchmarks and `generate(..., profile=True)`).
+
+Each part is jitted alone at the engine's shapes and timed (best of 3), off the hot path: the
+drafter's draft, the target's verification forward at full width (LM head included), and the
+verification rule (with the filtered target probabilities it needs when some row samples).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decode import KEY_DRAFT, KEY_VERIFY, SlotState, drafter_module, verify_rule
+from dspark_jax.models.transformer import forward, logits_from_hidden
+from dspark_jax.sampling import row_keys
+
+
+def _best_seconds(fn, *args, repeats: int = 3) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def round_cost_split(engine, state: SlotState) -> dict[str, float]:
+    """Seconds per round of the draft, the target's verification forward and the verification
+    rule, for the requests now in `state` (every slot treated as live, full block verified)."""
+    s = engine.settings
+    mod = drafter_module(s)
+    params, dparams = engine.target.params, engine.drafter.params
+    g = s.block_size
+    b = s.slots
+
+    def draft_part(p, dp, st):
+        keys = row_keys(st.seed_key, st.cache.lengths, KEY_DRAFT)
+        return mod.draft(dp, p, s.config, s.dconfig, st.drafter, st.anchor, st.cache.lengths, keys, st.sampling)[0]
+
+    def target_part(p, st, block):
+        positions = st.cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+        hidden, _, feats = forward(p, s.config, block, positions, st.cache, s.feature_layers)
+        return logits_from_hidden(p, hidden), feats
+
+    def verify_part(draft, logits, st):
+        lengths = jnp.full((b,), g, jnp.int32)
+        keys = row_keys(st.seed_key, st.cache.lengths, KEY_VERIFY)
+        return verify_rule(draft, logits, lengths, keys, st.sampling, ~st.done, s=s)
+
+    draft_fn, target_fn, verify_fn = jax.jit(draft_part), jax.jit(target_part), jax.jit(verify_part)
+    draft = draft_fn(params, dparams, state)
+    block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)
+    logits = target_fn(params, state, block)[0]
+    return {
+        "drafter_seconds_per_round": _best_seconds(draft_fn, params, dparams, state),
+        "target_seconds_per_round": _best_seconds(target_fn, params, state, block),
+        "verify_seconds_per_round": _best_seconds(verify_fn, draft, logits, state),
+    }

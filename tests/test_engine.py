@@ -1,0 +1,217 @@
+"""The Engine: slots that take requests between steps, per-request sampling as data, no compile
+after warmup, slot reuse, and user errors. Tiny random models, plus the real model for staggered
+arrival with every drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+
+from conftest import make_tiny_hf_model
+from dspark_jax import Engine, SamplingParams, generate, init_drafter, load_drafter, load_target
+from dspark_jax.engine import SlotError
+from dspark_jax.prompts import PromptError
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_engine")
+    make_tiny_hf_model(str(path), "llama", False, eos_token_id=95)
+    return load_target(str(path))
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 90, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+
+
+def _run_to_end(engine, state, slots, limit=200):
+    """Step until every slot in `slots` finished; their tokens and finish reasons."""
+    tokens = {s: [] for s in slots}
+    reasons = {}
+    for _ in range(limit):
+        state, out = engine.step(state, rounds=2)
+        for s in slots:
+            tokens[s] += out.tokens[s]
+            if out.finished[s]:
+                reasons[s] = out.finish_reason[s]
+        if all(out.finished[s] for s in slots):
+            return state, tokens, reasons
+    raise AssertionError("requests did not finish")
+
+
+def _solo(engine, prompt, params, slot=0):
+    state = engine.insert(engine.new_state(), slot, prompt, params)
+    _, tokens, reasons = _run_to_end(engine, state, [slot])
+    return tokens[slot], reasons[slot]
+
+
+def test_engine_equals_generate_and_reports_every_token(tiny):
+    engine = Engine(tiny, slots=4, max_len=128)
+    prompt = _prompts(1)[0]
+    params = SamplingParams(max_new_tokens=10)
+    tokens, reason = _solo(engine, prompt, params)
+    assert tokens == generate(tiny, [prompt], max_new_tokens=10).token_ids[0]
+    assert len(tokens) == 10 and reason == "length"
+    # A step after insert reports the first token even when no round runs for the slot.
+    state = engine.insert(engine.new_state(), 2, prompt, SamplingParams(max_new_tokens=1))
+    state, out = engine.step(state)
+    assert out.tokens[2] == tokens[:1] and out.finished[2] and out.finish_reason[2] == "length"
+    assert out.tokens[0] == [] and not out.finished[0] and out.rounds == 0
+
+
+def test_eos_finish_reason(tiny):
+    engine = Engine(tiny, slots=2, max_len=128)
+    prompt = _prompts(1, seed=2)[0]
+    free_run, _ = _solo(engine, prompt, SamplingParams(max_new_tokens=16))
+    eos = free_run[3]
+    target_eos = type(tiny)(config=__import__("dataclasses").replace(tiny.config, eos_token_ids=(eos,)),
+                            params=tiny.params, tokenizer=None, name="tiny-eos")
+    engine_eos = Engine(target_eos, slots=2, max_len=128)
+    tokens, reason = _solo(engine_eos, prompt, SamplingParams(max_new_tokens=16))
+    assert tokens == free_run[:free_run.index(eos) + 1] and reason == "eos"
+    tokens, reason = _solo(engine_eos, prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    assert tokens == free_run and reason == "length"
+
+
+@pytest.mark.parametrize("kind", [None, "ngram", "dspark"])
+def test_mixed_batch_and_independent_random_streams(tiny, kind):
+    """Greedy and sampled requests share a batch: the greedy one is unchanged, and a sampled
+    request's tokens depend only on its seed (not on its neighbours or its slot)."""
+    drafter = None if kind is None else (load_drafter("ngram") if kind == "ngram"
+                                         else init_drafter(tiny, kind, seed=1, block_size=3))
+    engine = Engine(tiny, drafter, slots=4, max_len=128)
+    p_greedy, p_sampled, p_other = _prompts(3, seed=4)
+    greedy = SamplingParams(max_new_tokens=12)
+    sampled = SamplingParams(temperature=1.0, top_k=20, seed=5, max_new_tokens=12)
+    greedy_solo, _ = _solo(engine, p_greedy, greedy)
+    sampled_solo, _ = _solo(engine, p_sampled, sampled, slot=3)
+
+    state = engine.new_state()
+    state = engine.insert(state, 0, p_greedy, greedy)
+    state = engine.insert(state, 1, p_sampled, sampled)
+    state = engine.insert(state, 2, p_other, SamplingParams(temperature=0.7, top_p=0.9, seed=9, max_new_tokens=12))
+    _, tokens, _ = _run_to_end(engine, state, [0, 1, 2])
+    assert tokens[0] == greedy_solo
+    assert tokens[1] == sampled_solo
+    other_seed, _ = _solo(engine, p_sampled, SamplingParams(temperature=1.0, top_k=20, seed=6, max_new_tokens=12))
+    assert other_seed != sampled_solo  # the seed really drives the stream
+
+
+@pytest.mark.parametrize("kind", [None, "dspark"])
+def test_free_and_reuse_reads_no_leftovers(tiny, kind):
+    drafter = None if kind is None else init_drafter(tiny, kind, seed=2, block_size=3)
+    engine = Engine(tiny, drafter, slots=2, max_len=128)
+    long_prompt, new_prompt = _prompts(2, seed=7)
+    long_prompt = long_prompt + _prompts(1, seed=8)[0]  # longer than the new one: stale cache past it
+    params = SamplingParams(max_new_tokens=20)
+    expected, _ = _solo(engine, new_prompt, params)
+    state = engine.insert(engine.new_state(), 1, long_prompt, params)
+    for _ in range(3):
+        state, _ = engine.step(state)
+    state = engine.free(state, 1)
+    state, out = engine.step(state)
+    assert out.tokens[1] == [] and not out.finished[1]  # a freed slot decodes nothing
+    state = engine.insert(state, 1, new_prompt, params)
+    _, tokens, _ = _run_to_end(engine, state, [1])
+    assert tokens[1] == expected
+
+
+def test_no_compile_after_warmup(tiny):
+    engine = Engine(tiny, init_drafter(tiny, "dspark", seed=3, block_size=3), slots=4, max_len=64)
+    seconds = engine.warmup(rounds=(1, 4))
+    assert seconds > 0
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        state = engine.new_state()
+        settings = [SamplingParams(max_new_tokens=5), SamplingParams(temperature=0.3, seed=1, max_new_tokens=9),
+                    SamplingParams(temperature=1.7, top_k=7, top_p=0.5, seed=2, max_new_tokens=3, ignore_eos=True)]
+        for slot, (prompt, params) in enumerate(zip(_prompts(3, seed=9), settings)):
+            state = engine.insert(state, slot, prompt, params)
+        state, _ = engine.step(state, rounds=4)
+        state = engine.free(state, 2)
+        state = engine.insert(state, 2, _prompts(1, seed=10)[0] * 2, SamplingParams(temperature=0.9, top_p=0.2))
+        for _ in range(3):
+            state, out = engine.step(state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "/jax/core/compile/backend_compile_duration" not in compiles, compiles
+    assert out.rounds == 1
+
+
+def test_bad_input_is_refused_and_changes_nothing(tiny):
+    engine = Engine(tiny, slots=2, max_len=64)
+    prompt = _prompts(1, seed=11)[0]
+    expected, _ = _solo(engine, prompt, SamplingParams(max_new_tokens=8))
+    state = engine.insert(engine.new_state(), 0, prompt, SamplingParams(max_new_tokens=8))
+    with pytest.raises(SlotError, match="slot 0 is busy"):
+        engine.insert(state, 0, prompt, SamplingParams())
+    with pytest.raises(SlotError, match=r"slot must be an integer in \[0, 2\)"):
+        engine.insert(state, 2, prompt, SamplingParams())
+    with pytest.raises(PromptError, match="prompt 0 has 70 tokens.*max_len is 64"):
+        engine.insert(state, 1, [5] * 70, SamplingParams(max_new_tokens=1))
+    with pytest.raises(PromptError, match="empty"):
+        engine.insert(state, 1, [], SamplingParams())
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        engine.insert(state, 1, [1, 999], SamplingParams())
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=-0.5)
+    for top_p in (0.0, 1.5):
+        with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+            SamplingParams(top_p=top_p)
+    with pytest.raises(ValueError, match="top_k must be a positive integer"):
+        SamplingParams(top_k=0)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.insert(state, 1, prompt, {"temperature": 0.0})
+    with pytest.raises(ValueError, match="rounds must be an integer >= 1"):
+        engine.step(state, rounds=0)
+    with pytest.raises(ValueError, match="block_size needs a drafter"):
+        Engine(tiny, block_size=3)
+    # The accepted request is untouched by every refusal.
+    _, tokens, _ = _run_to_end(engine, state, [0])
+    assert tokens[0] == expected
+
+
+def test_two_engines_do_not_share_state(tiny):
+    a, b = Engine(tiny, slots=2, max_len=64), Engine(tiny, slots=2, max_len=64)
+    p1, p2 = _prompts(2, seed=12)
+    params = SamplingParams(max_new_tokens=6)
+    solo1, _ = _solo(a, p1, params)
+    solo2, _ = _solo(b, p2, params)
+    state_a = a.insert(a.new_state(), 0, p1, params)
+    state_b = b.insert(b.new_state(), 0, p2, params)
+    state_a, out_a = a.step(state_a, rounds=8)
+    state_b, out_b = b.step(state_b, rounds=8)
+    assert out_a.tokens[0] == solo1 and out_b.tokens[0] == solo2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", [None, "ngram", "dspark"])
+def test_staggered_arrival_on_real_model(real_target, kind):
+    """Request A decodes 3 steps alone before B arrives in another slot; both equal their solo runs."""
+    drafter = None if kind is None else (load_drafter("ngram") if kind == "ngram"
+                                         else init_drafter(real_target, kind, seed=0))
+    engine = Engine(real_target, drafter, slots=2, max_len=256)
+    tok = real_target.tokenizer
+    encode = lambda text: tok.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                  add_generation_prompt=True, tokenize=True)
+    prompt_a = list(encode("List the planets of the solar system, one per line."))
+    prompt_b = list(encode("What is the capital of France?"))
+    params = SamplingParams(max_new_tokens=24)
+    solo_a, _ = _solo(engine, prompt_a, params)
+    solo_b, _ = _solo(engine, prompt_b, params, slot=1)
+    state = engine.insert(engine.new_state(), 0, prompt_a, params)
+    got_a = []
+    for _ in range(3):
+        state, out = engine.step(state)
+        got_a += out.tokens[0]
+    state = engine.insert(state, 1, prompt_b, params)
+    _, tokens, _ = _run_to_end(engine, state, [0, 1])
+    assert got_a + tokens[0] == solo_a
+    assert tokens[1] == solo_b
