@@ -68,7 +68,7 @@ class Engine:
     """Decode slots over a target and an optional drafter; see the module docstring."""
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 2048, block_size: int | None = None,
-                 verifier: str = "jnp", mesh=None):
+                 verifier: str = "jnp", mesh=None, rules=None):
         if not isinstance(slots, (int, np.integer)) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         if verifier not in VERIFIERS:
@@ -93,12 +93,37 @@ class Engine:
             raise ValueError("block_size needs a drafter (drafter=None is plain autoregressive decoding)")
         self.target = target
         self.drafter = drafter
-        self.mesh = mesh
         self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
                                        verifier=verifier)
         self.prefill_buckets = prefill_buckets(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
         self._programs: dict = {}
+        # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
+        self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
+        self._params = target.params
+        self._dparams = None if drafter is None else drafter.params
+        self._state_shardings = None
+        if self.mesh is not None:
+            self._place_on_mesh(rules)
+
+    def _place_on_mesh(self, rules) -> None:
+        """Params and decode state by the partition rules (sharding.SERVE_RULES by default): slots
+        over `data`, heads / MLP / vocabulary over `tensor` where they divide evenly."""
+        from dspark_jax import sharding
+
+        config = self.settings.config
+        self._params = sharding.shard_tree(self._params, sharding.target_param_axes(self._params, config),
+                                           self.mesh, rules)
+        if self._dparams:
+            self._dparams = sharding.shard_tree(
+                self._dparams, sharding.drafter_param_axes(self._dparams, self.settings.dconfig, config),
+                self.mesh, rules)
+        state = self._state_shape()
+        per_slot = sharding.slot_tree_axes(state)
+        axes = dataclasses.replace(
+            per_slot, cache=sharding.kv_cache_axes(state.cache), drafter=sharding.drafter_state_axes(state.drafter),
+            tried=sharding.replicated_axes(state.tried), accepted_at=sharding.replicated_axes(state.accepted_at))
+        self._state_shardings = sharding.tree_shardings(state, axes, self.mesh, rules)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -119,17 +144,30 @@ class Engine:
         return 0 if self.settings.dconfig is None else self.block_size + 1
 
     def _weights(self):
-        return self.target.params, (None if self.drafter is None else self.drafter.params)
+        return self._params, self._dparams
 
     # ------------------------------------------------------------------ compiled programs
     def _program(self, name: str, fn: Callable, args: tuple, donate: tuple[int, ...] = ()):
-        """The executable of fn(*weights, *args), compiled ahead once per input shapes."""
+        """The executable of fn(*weights, *args), compiled ahead once per input shapes.
+
+        On a mesh, a SlotState argument or result keeps the state's shardings and everything
+        else (requests, packed tokens) is replicated, so a step's output feeds the next step."""
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         key = (name, shapes)
         if key not in self._programs:
             start = time.perf_counter()
             weights = self._weights()
-            jitted = jax.jit(fn, donate_argnums=tuple(2 + i for i in donate))
+            options = {}
+            if self.mesh is not None:
+                from jax.sharding import NamedSharding, PartitionSpec
+
+                replicated = NamedSharding(self.mesh, PartitionSpec())
+                placed = lambda tree: self._state_shardings if isinstance(tree, SlotState) else replicated  # noqa: E731
+                out = jax.eval_shape(fn, *weights, *args)
+                options = dict(
+                    in_shardings=(*jax.tree.map(lambda a: a.sharding, weights), *(placed(a) for a in args)),
+                    out_shardings=tuple(placed(o) for o in out) if isinstance(out, tuple) else placed(out))
+            jitted = jax.jit(fn, donate_argnums=tuple(2 + i for i in donate), **options)
             self._programs[key] = jitted.lower(*weights, *args).compile()
             self.compile_seconds += time.perf_counter() - start
         return self._programs[key]

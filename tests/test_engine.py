@@ -134,7 +134,8 @@ def test_no_compile_after_warmup(tiny):
             state = engine.insert(state, slot, prompt, params)
         state, _ = engine.step(state, rounds=4)
         state = engine.free(state, 2)
-        state = engine.insert(state, 2, _prompts(1, seed=10)[0] * 2, SamplingParams(temperature=0.9, top_p=0.2))
+        state = engine.insert(state, 2, _prompts(1, seed=10)[0] * 2,
+                              SamplingParams(temperature=0.9, top_p=0.2, max_new_tokens=4))
         for _ in range(3):
             state, out = engine.step(state)
     finally:
