@@ -257,8 +257,8 @@ def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: Deco
 
 
 def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,
-                rs: RowSampling, live: jax.Array, *, s: DecodeSettings):
-    """(num_accepted [b], next_token [b]): the greedy rule when every live row is greedy, else
+                rs: RowSampling, *, s: DecodeSettings):
+    """(num_accepted [b], next_token [b]): the greedy rule when every row is greedy, else
     lossless rejection sampling (jnp reference or Pallas kernel) on the filtered distributions,
     where a greedy row's one-hot distributions make the same rule exact greedy decoding."""
     b, g1, v = target_logits.shape
@@ -276,7 +276,7 @@ def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array
             return pallas_kernels.verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
         return verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
 
-    return jax.lax.cond(all_greedy(rs, live), greedy, sampled, target_logits)
+    return jax.lax.cond(all_greedy(rs), greedy, sampled, target_logits)
 
 
 def no_draft(b: int, vocab: int) -> DraftOutput:
@@ -296,13 +296,15 @@ def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
     b = state.anchor.shape[0]
     live = ~state.done
     anchor_pos = state.cache.lengths  # [b]
+    # Finished rows count as greedy, so a batch whose live rows are all greedy skips sampling.
+    rs = dataclasses.replace(state.sampling, temperature=jnp.where(live, state.sampling.temperature, 0.0))
     if mod is None:
         draft, dstate = no_draft(b, s.config.vocab_size), None
         lengths = jnp.zeros((b,), jnp.int32)
     else:
         draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
         draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor, anchor_pos,
-                                  draft_keys, state.sampling)
+                                  draft_keys, rs)
         lengths = schedule_lengths(state, g)  # [b]
         if draft.proposed is not None:
             lengths = jnp.minimum(lengths, draft.proposed)
@@ -311,7 +313,7 @@ def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
     positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
     target_logits, cache, features = verify_forward(params, state.cache, block, positions, lengths, s=s)
     n_acc, next_token = verify_rule(draft, target_logits, lengths, row_keys(state.seed_key, anchor_pos, KEY_VERIFY),
-                                    state.sampling, live, s=s)
+                                    rs, s=s)
 
     # Emitted tokens this round: d_1..d_n then t, cut after the first EOS and at the budget.
     j = jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [1, G+1]

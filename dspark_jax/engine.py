@@ -119,10 +119,7 @@ class Engine:
                 self._dparams, sharding.drafter_param_axes(self._dparams, self.settings.dconfig, config),
                 self.mesh, rules)
         state = self._state_shape()
-        per_slot = sharding.slot_tree_axes(state)
-        axes = dataclasses.replace(
-            per_slot, cache=sharding.kv_cache_axes(state.cache), drafter=sharding.drafter_state_axes(state.drafter),
-            tried=sharding.replicated_axes(state.tried), accepted_at=sharding.replicated_axes(state.accepted_at))
+        axes = sharding.slot_state_axes(state)
         self._state_shardings = sharding.tree_shardings(state, axes, self.mesh, rules)
 
     # ------------------------------------------------------------------ properties

@@ -48,7 +48,7 @@ def round_cost_split(engine, state: SlotState) -> dict[str, float]:
     def verify_part(draft, logits, st):
         lengths = jnp.full((b,), g, jnp.int32)
         keys = row_keys(st.seed_key, st.cache.lengths, KEY_VERIFY)
-        return verify_rule(draft, logits, lengths, keys, st.sampling, ~st.done, s=s)
+        return verify_rule(draft, logits, lengths, keys, st.sampling, s=s)
 
     draft_fn, target_fn, verify_fn = jax.jit(draft_part), jax.jit(target_part), jax.jit(verify_part)
     draft = draft_fn(params, dparams, state)

@@ -136,10 +136,9 @@ def filtered_probs(logits: jax.Array, rs: RowSampling) -> jax.Array:
     return jnp.where((rs.temperature > 0)[:, None], probs, onehot)
 
 
-def all_greedy(rs: RowSampling, live: jax.Array | None = None) -> jax.Array:
-    """True when every (live) row is greedy: programs then skip softmax, sort and sampling."""
-    greedy = rs.temperature <= 0
-    return jnp.all(greedy if live is None else greedy | ~live)
+def all_greedy(rs: RowSampling) -> jax.Array:
+    """True when every row is greedy: programs then skip softmax, sort and sampling."""
+    return jnp.all(rs.temperature <= 0)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:

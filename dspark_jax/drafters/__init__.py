@@ -80,15 +80,28 @@ def _describe(tcfg: ModelConfig) -> str:
     return f"{tcfg.family}, {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, vocab {tcfg.vocab_size}"
 
 
-def init_drafter(target, kind: str, seed: int = 0, **overrides) -> Drafter:
+def _place(params, config: DrafterConfig, tcfg: ModelConfig | None, mesh, rules):
+    """Drafter params placed on `mesh` by the logical partition rules (unchanged without a mesh)."""
+    if mesh is None or not params:
+        return params
+    from dspark_jax import sharding
+
+    return sharding.shard_tree(params, sharding.drafter_param_axes(params, config, tcfg), mesh, rules)
+
+
+def init_drafter(target, kind: str, seed: int = 0, *, mesh=None, rules=None, **overrides) -> Drafter:
     """A randomly initialised drafter of `kind` (dspark | dflash | eagle3 | ngram) for `target`.
 
     `overrides` replace fields of the kind's default DrafterConfig (block_size, num_layers, ...).
+    The params are placed on `mesh` (default: the target's, `target.mesh`) by the logical
+    partition `rules` (default: dspark_jax.sharding.SERVE_RULES).
     """
     tcfg = target.config
     config = default_config(kind, tcfg.num_layers, **overrides)
     params = drafter_module(kind).init_params(jax.random.PRNGKey(seed), tcfg, config)
     params = jax.tree.map(lambda a: a.astype(target.dtype) if a.dtype.kind == "f" else a, params)
+    # Initialised as without a mesh (same values bit for bit), then placed.
+    params = _place(params, config, tcfg, mesh if mesh is not None else getattr(target, "mesh", None), rules)
     fingerprint = None if kind == "ngram" else target_fingerprint(tcfg)
     return Drafter(config=config, params=params, target_fingerprint=fingerprint, target_description=_describe(tcfg))
 
@@ -113,10 +126,12 @@ def save_drafter(drafter: Drafter, path: str) -> None:
         json.dump(meta, f, indent=2)
 
 
-def load_drafter(path: str, target=None) -> Drafter:
+def load_drafter(path: str, target=None, *, mesh=None, rules=None) -> Drafter:
     """Load a drafter checkpoint folder, or the name "ngram" for the prompt-lookup drafter.
 
     With `target`, refuses a drafter made for another target (generate checks this too).
+    The params are placed on `mesh` (default: `target.mesh` when a target is given) by the
+    logical partition `rules` (default: dspark_jax.sharding.SERVE_RULES).
     """
     if path == "ngram":
         return Drafter(config=default_config("ngram", 1), params={}, target_fingerprint=None)
@@ -143,6 +158,9 @@ def load_drafter(path: str, target=None) -> Drafter:
 
         with ocp.StandardCheckpointer() as ckptr:
             drafter.params = ckptr.restore(params_path)
+    if mesh is None and target is not None:
+        mesh = getattr(target, "mesh", None)
+    drafter.params = _place(drafter.params, config, None if target is None else target.config, mesh, rules)
     return drafter
 
 
