@@ -85,6 +85,10 @@ MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_AXES = ("batch", "cache_batch", "cache_seq", "seq", "layers", "embed", "features", "vocab", "q_heads",
                 "kv_heads", "head_dim", "mlp", "norm", "head_rank", "head_in", "draft_vocab")
 
+# Names replicated by both rule sets (small, or read whole by every shard).
+_REPLICATED = (("head_dim", None), ("norm", None), ("layers", None), ("cache_seq", None), ("seq", None),
+               ("draft_vocab", None))
+
 # Order matters (flax): earlier rules claim mesh axes first within one array. Every logical axis
 # has an entry so the tables read as complete; a None entry means replicated.
 SERVE_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -98,12 +102,7 @@ SERVE_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("features", None),
     ("head_in", None),
     ("head_rank", None),
-    ("head_dim", None),
-    ("norm", None),
-    ("layers", None),
-    ("cache_seq", None),
-    ("seq", None),
-    ("draft_vocab", None),
+    *_REPLICATED,
 )
 
 TRAIN_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -117,12 +116,7 @@ TRAIN_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
     ("head_rank", "fsdp"),  # DSpark head tables [V, r] / [r, N] have no embed dim to put fsdp on
-    ("head_dim", None),
-    ("norm", None),
-    ("layers", None),
-    ("cache_seq", None),
-    ("seq", None),
-    ("draft_vocab", None),
+    *_REPLICATED,
 )
 
 RULE_SETS = {"serve": SERVE_RULES, "train": TRAIN_RULES}
