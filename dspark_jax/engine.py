@@ -221,8 +221,9 @@ class Engine:
             raise SlotError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a dspark_jax.SamplingParams, got {type(params).__name__}")
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
-            raise PromptError(f"prompt {index} must be a list of token ids")
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)) or not all(
+                isinstance(t, (int, np.integer)) for t in ids):
+            raise PromptError(f"prompt {index} must be a list of token ids (ints)")
         ids = [int(t) for t in ids]
         if not ids:
             raise PromptError(f"prompt {index} is empty")

@@ -1,24 +1,32 @@
-"""Pallas kernel for lossless speculative-decoding block verification.
+"""Pallas kernels for lossless speculative-decoding block verification (TPU and GPU).
 
-Bit-identical to ``dspark_jax.verify.verify_block``.  One program per row; the
-[G+1, V] target block is never loaded whole (V can be ~49k): the kernel
+``verify_block`` returns exactly what ``verify_block_reference`` (in ``verify_block_ref``,
+beside this file, with the arithmetic spec) returns.  Both run the same jnp code for the
+small parts (the accept count: B x G gathers; the chunk choice and the inverse CDF inside
+one chunk: O(B * (V / C + C))); only the pass over all of V differs: the chunk totals of
+the residual max(p_n - q_n, 0) and of the target p_n, which the reference computes with
+``chunk_totals`` and a kernel computes here, to the same bits (``fold_halves`` order).
 
-  1. gathers p_k(d_k), q_k(d_k) with scalar loads and counts the leading
-     accepts ``u_k * q < p`` over k < length (fori_loop over G);
-  2. pass A over V tiles of C: totals of max(p_n, 0) and max(p_n - q_n, 0),
-     each a *sequential* float32 running sum of per-tile ``cumsum(tile)[-1]``;
-     picks the residual (first rejection with a non-zero residual) or p_n;
-  3. pass B over V tiles: ``cum = offset + cumsum(tile)`` with the same running
-     offsets, ``t = u_G * total``; the sample is the smallest v with
-     ``cum > t`` and ``dist > 0``, else the last v with ``dist > 0``, else 0.
+Kernels (each writes nC floats per row and distribution):
 
-This is exactly the chunked inverse-CDF arithmetic documented in
-``dspark_jax.verify`` (same C, same per-tile cumsum, same sequential offsets),
-so results agree bit for bit wherever ``jnp.cumsum`` of a length-C vector is
-evaluated identically (always in interpret mode).  V is zero-padded to a
-multiple of C in the wrapper; padded tokens have zero mass and are never hit.
-Written with Triton-lowerable ops (power-of-two tile loads, scalar loads,
-fori_loop, cumsum, min/max/sum reductions).
+* TPU (Mosaic): the wrapper gathers rows p[b, n_b] and q[b, kq_b] with XLA (a row of a
+  [B, G+1, V] array cannot be a Mosaic block: the second-minor block dim must be a multiple
+  of 8 or the whole dim; a manual-DMA row gather in the kernel would save that pass), then
+  a grid (B / 8, V / TV) streams [8, TV] blocks: batch rows on sublanes, V on lanes.  A chunk of C >= 128 tokens is C / 128 vregs: ``fold_halves`` is vreg adds down to
+  one vreg, then lane rolls 64, 32, .., 1 (a butterfly: every lane ends with the chunk
+  total, in the same pairing); the totals of a block's chunks are packed into the lanes of
+  one output vreg.  For C < 128 the lane rolls stop at C / 2 and the folded block itself is
+  written (the total sits in each chunk's last lane).
+* GPU (Triton): grid (B, chunk groups); a program loads K chunks of rows n_b / kq_b
+  straight from [B, G+1, V] (masked past V; each selected row is read once), folds each chunk in halves with
+  ``lax.split`` (Triton: reshape + tt.split) and explicit adds, and stores K totals.
+
+Platform choice: ``backend=None`` lets the *lowering platform* pick, with
+``jax.lax.platform_dependent`` (tpu -> Mosaic kernel, cuda / rocm -> Triton kernel, any
+other platform -> the jnp totals), so one traced function lowers for each platform,
+also when lowered from a CPU for another platform.  ``backend="tpu"`` / ``"triton"``
+force one kernel.  ``interpret`` (True on CPU by default, or a ``pltpu.InterpretParams``)
+runs a kernel body in Pallas's interpreter: the TPU kernel unless backend="triton".
 """
 
 from __future__ import annotations
@@ -29,121 +37,229 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
-# The tile length and its rule are the reference's: one definition keeps the two bit-identical.
-from dspark_jax.verify import DEFAULT_CHUNK, effective_chunk
+from pallas_kernels.verify_block_ref import (
+    DEFAULT_CHUNK,
+    accept_stage,
+    effective_chunk,
+    finish,
+    reference_totals,
+)
 
+BACKENDS = ("tpu", "triton")
 
-def _kernel(tok_ref, len_ref, u_ref, q_ref, p_ref, n_ref, next_ref, *,
-            g: int, v: int, chunk: int, n_chunks: int):
-    # tok_ref [G] i32, len_ref [1] i32, u_ref [G+1] f32,
-    # q_ref [G, Vp] f32, p_ref [G+1, Vp] f32; n_ref / next_ref [1] i32.
-    length = len_ref[0]
-
-    def accept_step(k, carry):
-        n, alive = carry
-        d = jnp.clip(tok_ref[k], 0, v - 1)
-        p_d = p_ref[k, d]
-        q_d = q_ref[k, d]
-        ok = jnp.where((k < length) & (u_ref[k] * q_d < p_d), alive, 0)
-        return n + ok, ok  # int32 carry: ok == 1 while still accepting
-
-    n, _ = lax.fori_loop(0, g, accept_step, (jnp.int32(0), jnp.int32(1)))
-    kq = jnp.minimum(n, g - 1)
-    rejected = n < length
-    lane = lax.broadcasted_iota(jnp.int32, (chunk,), 0)  # [C]
-    is_last = lane == chunk - 1
-
-    def tile(j):
-        start = pl.multiple_of(j * chunk, chunk)
-        p_t = p_ref[n, pl.ds(start, chunk)]  # [C]
-        q_t = q_ref[kq, pl.ds(start, chunk)]  # [C]
-        return start, jnp.maximum(p_t - q_t, 0.0), jnp.maximum(p_t, 0.0)
-
-    def tile_total(x):  # cumsum(x)[-1] without value indexing; exact (+0s).
-        return jnp.sum(jnp.where(is_last, jnp.cumsum(x), 0.0))
-
-    def pass_a(j, carry):
-        tot_res, tot_p = carry
-        _, res_t, p_t = tile(j)
-        return tot_res + tile_total(res_t), tot_p + tile_total(p_t)
-
-    zero = jnp.float32(0.0)
-    tot_res, tot_p = lax.fori_loop(0, n_chunks, pass_a, (zero, zero))
-    use_res = rejected & (tot_res > 0)
-    total = jnp.where(use_res, tot_res, tot_p)
-    t = u_ref[g] * total
-    big = jnp.int32(n_chunks * chunk)
-
-    def pass_b(j, carry):
-        offset, first, last_pos = carry
-        start, res_t, p_t = tile(j)
-        dist = jnp.where(use_res, res_t, p_t)  # [C]
-        c_in = jnp.cumsum(dist)  # [C]
-        idx = start + lane
-        pos = dist > 0
-        hit = ((offset + c_in) > t) & pos
-        first = jnp.minimum(first, jnp.min(jnp.where(hit, idx, big)))
-        last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(pos, idx, -1)))
-        offset = offset + jnp.sum(jnp.where(is_last, c_in, 0.0))
-        return offset, first, last_pos
-
-    _, first, last_pos = lax.fori_loop(
-        0, n_chunks, pass_b, (zero, big, jnp.int32(-1)))
-    n_ref[0] = n
-    next_ref[0] = jnp.where(first < big, first, jnp.maximum(last_pos, 0))
+_LANES = 128
+_TPU_BLOCK_TOKENS = 16384  # tokens per row in one TPU block: [8, 16384] f32 = 512 KiB
+_TRITON_PROGRAM_TOKENS = 4096  # tokens one Triton program folds
+_TRITON_MAX_CHUNK = 16384  # a Triton program holds a whole chunk in registers
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "chunk_size"))
-def _verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms, *,
-                  interpret: bool, chunk_size: int):
-    b, g = draft_tokens.shape
-    v = target_probs.shape[-1]
-    chunk = effective_chunk(v, chunk_size)
+# ------------------------------------------------------------------------- TPU (Mosaic)
+def _tpu_lane_fold(x, width: int):
+    """Lane rolls width/2, .., 1: the last lane of each width-lane segment ends with its
+    fold_halves total (every lane, for width == 128)."""
+    s = width // 2
+    while s:
+        x = x + pltpu.roll(x, s, 1)
+        s //= 2
+    return x
+
+
+def _tpu_vreg_fold(vregs):
+    """fold_halves over a list of [rows, 128] vregs (vreg i holds chunk lanes 128i..)."""
+    while len(vregs) > 1:
+        h = len(vregs) // 2
+        vregs = [a + b for a, b in zip(vregs[:h], vregs[h:])]
+    return vregs[0]
+
+
+def _tpu_kernel(p_ref, q_ref, res_ref, tp_ref, *, v: int, chunk: int, block: int):
+    # p_ref, q_ref: [R, TV] rows p[b, n_b], q[b, kq_b] for R batch rows, TV = block tokens.
+    # C >= 128: res_ref / tp_ref [R, 128], lane k = total of the block's chunk k.
+    # C < 128: res_ref / tp_ref [R, TV], the folded block (total in each chunk's last lane).
+    p = p_ref[...]
+    d = p - q_ref[...]
+    ok = lax.broadcasted_iota(jnp.int32, p.shape, 1) < v - pl.program_id(1) * block  # token < V
+    res = jnp.where(ok & (d > 0), d, 0.0)
+    tp = jnp.where(ok & (p > 0), p, 0.0)
+    if chunk >= _LANES:
+        rows, n_k = p.shape[0], block // chunk
+        lane = lax.broadcasted_iota(jnp.int32, (rows, _LANES), 1)
+
+        def totals(x):  # fold each chunk to one vreg, stack them on sublanes, fold the lanes
+            folded = [_tpu_vreg_fold([x[:, k * chunk + i:k * chunk + i + _LANES]
+                                      for i in range(0, chunk, _LANES)]) for k in range(n_k)]
+            folded = _tpu_lane_fold(jnp.concatenate(folded, axis=0), _LANES)  # [K * R, 128]
+            out = jnp.zeros((rows, _LANES), jnp.float32)
+            for k in range(n_k):  # every lane holds the total: put chunk k in lane k
+                out = jnp.where(lane == k, folded[k * rows:(k + 1) * rows], out)
+            return out
+
+        res_ref[...] = totals(res)
+        tp_ref[...] = totals(tp)
+    else:
+        res_ref[...] = _tpu_lane_fold(res, chunk)
+        tp_ref[...] = _tpu_lane_fold(tp, chunk)
+
+
+def _tpu_block(v: int, chunk: int):
+    """(block tokens TV, output lanes per block) for chunk length C."""
+    if chunk >= _LANES:
+        per_block = max(1, min(_LANES, _TPU_BLOCK_TOKENS // chunk, -(-v // chunk)))
+        return per_block * chunk, _LANES
+    block = min(_TPU_BLOCK_TOKENS, -(-v // _LANES) * _LANES)
+    return block, block
+
+
+def tpu_chunk_totals(p_row, q_row, *, chunk: int, interpret=False, block_rows: int | None = None):
+    """Mosaic kernel: (residual totals, target totals) [B, nC] of rows p_row, q_row [B, V].
+
+    block_rows: batch rows per block (a multiple of 8); default 8, or more in interpret
+    mode (whose grid loop copies the outputs at every step), up to 2048 rows and 2**22
+    values a block.  Rows are independent, so the results do not depend on it.
+    """
+    b, v = p_row.shape
     n_chunks = -(-v // chunk)
-    vp = n_chunks * chunk
-    tok = draft_tokens.astype(jnp.int32)  # [B, G]
-    q = draft_probs.astype(jnp.float32)  # [B, G, V]
-    p = target_probs.astype(jnp.float32)  # [B, G+1, V]
-    u = uniforms.astype(jnp.float32)  # [B, G+1]
-    if g == 0:  # dummy draft slot, never accepted since lengths == 0
-        tok = jnp.zeros((b, 1), jnp.int32)
-        q = jnp.zeros((b, 1, v), jnp.float32)
-        p = jnp.concatenate([p, p], axis=1)
-        u = jnp.concatenate([u, u], axis=1)
-        g = 1
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, vp - v)))  # [B, G, Vp]
-    p = jnp.pad(p, ((0, 0), (0, 0), (0, vp - v)))  # [B, G+1, Vp]
-    lens = lengths.astype(jnp.int32).reshape(b, 1)
-
-    kernel = functools.partial(_kernel, g=g, v=v, chunk=chunk, n_chunks=n_chunks)
-    row = lambda i: (i, 0)
-    n, nxt = pl.pallas_call(
+    block, out_w = _tpu_block(v, chunk)
+    if block_rows is None:
+        block_rows = 8
+        if interpret:
+            block_rows = max(8, min(2048, -(-b // 8) * 8, (1 << 22) // block // 8 * 8))
+    if block_rows % 8:
+        raise ValueError(f"block_rows must be a multiple of 8, got {block_rows}")
+    rows = block_rows
+    grid = (-(-b // rows), -(-v // block))
+    kernel = functools.partial(_tpu_kernel, v=v, chunk=chunk, block=block)
+    in_spec = pl.BlockSpec((rows, block), lambda i, j: (i, j))
+    out_spec = pl.BlockSpec((rows, out_w), lambda i, j: (i, j))
+    out_shape = jax.ShapeDtypeStruct((b, grid[1] * out_w), jnp.float32)
+    res, tp = pl.pallas_call(
         kernel,
-        grid=(b,),
-        in_specs=[
-            pl.BlockSpec((None, g), row),
-            pl.BlockSpec((None, 1), row),
-            pl.BlockSpec((None, g + 1), row),
-            pl.BlockSpec((None, g, vp), lambda i: (i, 0, 0)),
-            pl.BlockSpec((None, g + 1, vp), lambda i: (i, 0, 0)),
-        ],
-        out_specs=[pl.BlockSpec((None, 1), row), pl.BlockSpec((None, 1), row)],
-        out_shape=[jax.ShapeDtypeStruct((b, 1), jnp.int32)] * 2,
+        grid=grid,
+        in_specs=[in_spec, in_spec],
+        out_specs=[out_spec, out_spec],
+        out_shape=[out_shape, out_shape],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=pl.CostEstimate(flops=6 * b * v, transcendentals=0,
+                                      bytes_accessed=8 * b * v + 8 * b * grid[1] * out_w),
         interpret=interpret,
-        name="verify_block",
-    )(tok, lens, u, q, p)
-    return n[:, 0], nxt[:, 0]
+        name="verify_chunk_totals_tpu",
+    )(p_row, q_row)
+    if chunk >= _LANES:  # lane k of block j holds chunk j * per_block + k
+        per_block = block // chunk
+        pick = lambda x: x.reshape(b, grid[1], _LANES)[:, :, :per_block].reshape(b, -1)
+    else:  # the chunk's last lane
+        pick = lambda x: x[:, chunk - 1::chunk]
+    return pick(res)[:, :n_chunks], pick(tp)[:, :n_chunks]
+
+
+def _tpu_totals(p, q, n, kq, *, chunk: int, interpret=False):
+    rows = jnp.arange(p.shape[0])
+    return tpu_chunk_totals(p[rows, n], q[rows, kq], chunk=chunk, interpret=interpret)
+
+
+# ------------------------------------------------------------------------- GPU (Triton)
+def _triton_fold(x):
+    """fold_halves over the last axis: split in halves (Triton: reshape + split), add.
+
+    Explicit adds, not a sum over a pair axis: XLA (interpret mode) may merge a chain of
+    reductions into one and reorder it."""
+    m = x.shape[-1]
+    while m > 1:
+        m //= 2
+        lo, hi = lax.split(x, (m, m), axis=x.ndim - 1)
+        x = lo + hi
+    return x.reshape(x.shape[:-1])
+
+
+def _triton_kernel(n_ref, kq_ref, p_ref, q_ref, res_ref, tp_ref, *, v: int, chunk: int,
+                   per_program: int):
+    # n_ref, kq_ref [B] int32; p_ref [B, G+1, V], q_ref [B, *, V]; res_ref, tp_ref [B, nC'].
+    b = pl.program_id(0)
+    size = per_program * chunk
+    start = pl.program_id(1) * size
+    ok = start + lax.broadcasted_iota(jnp.int32, (size,), 0) < v
+    p = pltriton.load(p_ref.at[b, n_ref[b], pl.ds(start, size)], mask=ok, other=0.0)
+    q = pltriton.load(q_ref.at[b, kq_ref[b], pl.ds(start, size)], mask=ok, other=0.0)
+    d = p - q
+    res = jnp.where(d > 0, d, 0.0).reshape(per_program, chunk)
+    tp = jnp.where(p > 0, p, 0.0).reshape(per_program, chunk)
+    out = pl.ds(pl.program_id(1) * per_program, per_program)
+    res_ref[b, out] = _triton_fold(res)
+    tp_ref[b, out] = _triton_fold(tp)
+
+
+def _triton_totals(p, q, n, kq, *, chunk: int, interpret=False):
+    """Triton kernel: (residual totals, target totals) [B, nC] of rows p[b, n_b], q[b, kq_b].
+
+    Pallas Triton addresses with int32 offsets: p and q must hold fewer than 2**31 values.
+    """
+    if chunk > _TRITON_MAX_CHUNK:
+        raise NotImplementedError(
+            f"the Triton kernel folds a chunk in registers: chunk_size <= {_TRITON_MAX_CHUNK}")
+    b, _, v = p.shape
+    n_chunks = -(-v // chunk)
+    per_program = min(max(1, _TRITON_PROGRAM_TOKENS // chunk),
+                      1 << max(0, (n_chunks - 1).bit_length()))
+    num_warps = min(16, max(4, per_program * chunk // 1024))
+    grid = (b, -(-n_chunks // per_program))
+    out_shape = jax.ShapeDtypeStruct((b, grid[1] * per_program), jnp.float32)
+    kernel = functools.partial(_triton_kernel, v=v, chunk=chunk, per_program=per_program)
+    res, tp = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=[out_shape, out_shape],
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="verify_chunk_totals_triton",
+    )(n.astype(jnp.int32), kq.astype(jnp.int32), p, q)
+    return res[:, :n_chunks], tp[:, :n_chunks]
+
+
+# ------------------------------------------------------------------------- dispatch
+def _chunk_totals(p, q, n, kq, *, chunk: int, interpret, backend):
+    if backend not in (None,) + BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    tpu = functools.partial(_tpu_totals, chunk=chunk, interpret=interpret)
+    triton = functools.partial(_triton_totals, chunk=chunk, interpret=interpret)
+    if interpret:
+        return triton(p, q, n, kq) if backend == "triton" else tpu(p, q, n, kq)
+    if backend is not None:
+        return {"tpu": tpu, "triton": triton}[backend](p, q, n, kq)
+    return lax.platform_dependent(
+        p, q, n, kq, tpu=tpu, cuda=triton, rocm=triton,
+        default=functools.partial(reference_totals, chunk=chunk))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "chunk_size", "backend"))
+def _verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms, *,
+                  interpret, chunk_size: int, backend):
+    chunk = effective_chunk(target_probs.shape[-1], chunk_size)
+    p, q, n, kq, rejected, u_last = accept_stage(
+        draft_tokens, draft_probs, target_probs, lengths, uniforms)
+    tot_res, tot_p = _chunk_totals(p, q, n, kq, chunk=chunk, interpret=interpret,
+                                   backend=backend)
+    return n, finish(p, q, n, kq, rejected, tot_res, tot_p, u_last, chunk)
 
 
 def verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms, *,
-                 interpret=None, chunk_size: int = DEFAULT_CHUNK):
-    """Pallas twin of dspark_jax.verify.verify_block -> (num_accepted, next_token).
+                 interpret=None, chunk_size: int = DEFAULT_CHUNK, backend: str | None = None):
+    """Pallas twin of ``verify_block_reference`` -> (num_accepted [B], next_token [B]) int32.
 
-    interpret defaults to True on CPU.  chunk_size (power of two) is the V tile
-    and must match the reference's chunk_size for bit-identical results.
+    draft_tokens [B, G] int, draft_probs [B, G, V], target_probs [B, G+1, V],
+    lengths [B] in [0, G], uniforms [B, G+1] in [0, 1).
+
+    interpret: None -> True when JAX's default backend is the CPU, else False; True or a
+      ``pltpu.InterpretParams`` runs the kernel in Pallas's interpreter.
+    chunk_size: power of two; results equal the reference's with the same chunk_size.
+    backend: None -> chosen by the lowering platform (tpu: Mosaic, cuda/rocm: Triton,
+      others: the jnp totals); "tpu" or "triton" forces that kernel.
     """
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    return _verify_block(draft_tokens, draft_probs, target_probs, lengths,
-                         uniforms, interpret=bool(interpret), chunk_size=chunk_size)
+    if isinstance(interpret, (bool, int)):
+        interpret = bool(interpret)
+    return _verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms,
+                         interpret=interpret, chunk_size=chunk_size, backend=backend)

@@ -12,7 +12,7 @@ import jax
 from conftest import make_tiny_hf_model
 from dspark_jax import Engine, SamplingParams, generate, init_drafter, load_drafter, load_target
 from dspark_jax.engine import SlotError
-from dspark_jax.prompts import PromptError
+from dspark_jax.prompts import PromptError, encode_prompts
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +163,8 @@ def test_bad_input_is_refused_and_changes_nothing(tiny, engines):
         engine.insert(state, 1, [], SamplingParams())
     with pytest.raises(PromptError, match="outside the vocabulary"):
         engine.insert(state, 1, [1, 999], SamplingParams())
+    with pytest.raises(PromptError, match="must be a list of token ids"):
+        engine.insert(state, 1, ["a", "b"], SamplingParams())
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
@@ -203,11 +205,8 @@ def test_staggered_arrival_on_real_model(real_target, kind):
     drafter = None if kind is None else (load_drafter("ngram") if kind == "ngram"
                                          else init_drafter(real_target, kind, seed=0))
     engine = Engine(real_target, drafter, slots=2, max_len=256)
-    tok = real_target.tokenizer
-    encode = lambda text: tok.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
-                                                  add_generation_prompt=True, tokenize=True)
-    prompt_a = list(encode("List the planets of the solar system, one per line."))
-    prompt_b = list(encode("What is the capital of France?"))
+    prompt_a, prompt_b = encode_prompts(real_target.tokenizer, ["List the planets of the solar system, one per line.",
+                                                                 "What is the capital of France?"], chat=True)
     params = SamplingParams(max_new_tokens=24)
     solo_a, _ = _solo(engine, prompt_a, params)
     solo_b, _ = _solo(engine, prompt_b, params, slot=1)

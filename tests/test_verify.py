@@ -1,11 +1,22 @@
-"""Tests for lossless block verification (jnp reference and Pallas kernel).
+"""Tests for lossless block verification (jnp reference and Pallas kernels).
 
 Statistical tests use fixed seeds and a chi-square threshold at z = 5 (one-sided
 p ~ 3e-7, Wilson-Hilferty quantile), so the correct rule passes reliably while
 deliberately biased rules (checked explicitly) fail by a wide margin.
+
+The kernels run here in Pallas's interpreter (both the TPU and the Triton kernel body,
+and the TPU kernel under pltpu.InterpretParams too); on top of that they must *lower*
+for TPU (Mosaic) and GPU (Triton) from this CPU.  Two opt-in checks compile them for
+real hardware without any: set DSPARK_LIBTPU_DIR to a folder holding the `libtpu`
+package that matches jaxlib (pip install --target DIR libtpu==<jax's pin>) and/or
+DSPARK_TRITON_DIR to one holding the `triton` package.
 """
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +25,13 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import verify_block as pallas_verify_block
+from pallas_kernels.verify_block import _triton_totals
+from pallas_kernels.verify_block_ref import chunk_totals, fold_halves, positive
 from dspark_jax.verify import (DEFAULT_CHUNK, sample_from_probs, verify_block,
                                verify_greedy)
+
+BACKENDS = pallas_kernels.BACKENDS  # ("tpu", "triton"): kernel bodies run in interpret mode
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 G = 4
 V = 16
@@ -205,6 +221,18 @@ def test_pallas_lossless_first_token(name):
             assert stat < thr, (name, "joint", stat, thr)
 
 
+@pytest.mark.parametrize("name", ["random", "draft_zeros"])
+def test_triton_kernel_lossless_first_token(name):
+    p, q = _case(name, seed=2)
+    triton = functools.partial(pallas_verify_block, backend="triton")
+    for length in (1, G):
+        tok, lengths, u = _draw_inputs(p, q, length, 50_000, seed=30 + length)
+        n_acc, nxt = _run_broadcast(triton, tok, p, q, lengths, u)
+        first, _ = _first_two(tok, n_acc, nxt, p[1], seed=length)
+        stat, thr = _chi2(first, p[0])
+        assert stat < thr, (name, length, stat, thr)
+
+
 # ------------------------------------------------ test: Pallas == reference
 def _random_block(rng, b, g, v, alpha=0.1):
     p = rng.dirichlet(np.full(v, alpha), size=(b, g + 1)).astype(np.float32)
@@ -254,14 +282,16 @@ def _adversarial_block(rng, b=16, g=5, v=1000):
     return tok, q, p, lengths, u
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk_size", [128, 256, DEFAULT_CHUNK])
-def test_pallas_matches_reference_exactly(chunk_size):
+def test_pallas_matches_reference_exactly(chunk_size, backend):
     rng = np.random.default_rng(chunk_size)
     blocks = [_adversarial_block(rng)] + [
         _random_block(rng, 16, 5, 1000) for _ in range(3)]
     for args in blocks:
         ref = verify_block(*args, chunk_size=chunk_size)
-        pal = pallas_verify_block(*args, chunk_size=chunk_size, interpret=True)
+        pal = pallas_verify_block(*args, chunk_size=chunk_size, interpret=True,
+                                  backend=backend)
         assert np.array_equal(np.asarray(ref[0]), np.asarray(pal[0]))
         assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
     # the adversarial rows behave as specified
@@ -273,11 +303,12 @@ def test_pallas_matches_reference_exactly(chunk_size):
     assert nxt[10] == 600  # t == 0.5 == cdf(300) exactly -> next positive
 
 
-def test_pallas_matches_reference_large_vocab_and_jit():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pallas_matches_reference_large_vocab_and_jit(backend):
     rng = np.random.default_rng(7)
     args = _random_block(rng, 4, 3, 49152, alpha=0.05)
     ref = jax.jit(verify_block)(*args)
-    pal = jax.jit(pallas_verify_block)(*args)
+    pal = jax.jit(functools.partial(pallas_verify_block, backend=backend))(*args)
     assert np.array_equal(np.asarray(ref[0]), np.asarray(pal[0]))
     assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
 
@@ -290,12 +321,13 @@ def test_zero_draft_length_block():
     u = rng.random((8, 1), dtype=np.float32)
     lengths = np.zeros((8,), np.int32)
     ref = verify_block(tok, q, p, lengths, u)
-    pal = pallas_verify_block(tok, q, p, lengths, u)
     np.testing.assert_array_equal(np.asarray(ref[0]), 0)
     np.testing.assert_array_equal(np.asarray(ref[1]),
                                   np.asarray(sample_from_probs(p[:, 0], u[:, 0])))
-    assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
-    assert np.array_equal(np.asarray(pal[0]), np.asarray(ref[0]))
+    for backend in BACKENDS:
+        pal = pallas_verify_block(tok, q, p, lengths, u, backend=backend)
+        assert np.array_equal(np.asarray(ref[1]), np.asarray(pal[1]))
+        assert np.array_equal(np.asarray(pal[0]), np.asarray(ref[0]))
 
 
 # ------------------------------------------------------ sample_from_probs
@@ -368,3 +400,192 @@ def test_invariants_on_random_inputs(impl):
     ok = np.where(rejected & res_any, p_next > q_next, p_next > 0)
     assert np.all(ok)
     assert 0 < np.mean(rejected) < 1  # both branches exercised
+
+
+# ---------------------------------------------- the chunk-total spec and kernels
+def _fold_halves_numpy(x):
+    """The documented tree, written out independently: fold in halves, float32 adds."""
+    x = np.asarray(x, np.float32)
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = (x[..., :h] + x[..., h:]).astype(np.float32)
+    return x[..., 0]
+
+
+def test_fold_halves_is_the_documented_tree():
+    rng = np.random.default_rng(8)
+    x = (rng.random((5, 3, 1024)) ** 8).astype(np.float32)  # wide dynamic range
+    np.testing.assert_array_equal(np.asarray(fold_halves(jnp.asarray(x))), _fold_halves_numpy(x))
+    # ... which is not a plain left-to-right sum (so the order really is pinned down)
+    assert not np.array_equal(_fold_halves_numpy(x), np.cumsum(x, -1, dtype=np.float32)[..., -1])
+
+
+@pytest.mark.parametrize("b,v,chunk", [
+    (13, 20000, 1024),  # 16 chunks per TPU block, a partial second block; B % 8 != 0
+    (9, 3000, 4096),    # a single chunk longer than V
+    (3, 1000, 256),     # C < 1024 with C >= 128: several vregs per chunk
+    (20, 777, 64),      # C < 128: chunks inside one 128-lane row; V not a multiple of 128
+    (2, 37, 1),         # C == 1: the totals are the values
+])
+def test_chunk_totals_kernels_match_spec(b, v, chunk):
+    """Both kernel bodies (interpret mode) give the spec's chunk totals bit for bit."""
+    rng = np.random.default_rng(b * v + chunk)
+    p = (rng.random((b, 2, v)) ** 4).astype(np.float32)
+    q = (rng.random((b, 2, v)) ** 4).astype(np.float32)
+    p[:, :, ::5] = 0.0
+    n = rng.integers(0, 2, b).astype(np.int32)
+    kq = rng.integers(0, 2, b).astype(np.int32)
+    rows = np.arange(b)
+    want = (chunk_totals(positive(jnp.asarray(p[rows, n] - q[rows, kq])), chunk),
+            chunk_totals(positive(jnp.asarray(p[rows, n])), chunk))
+    got = {
+        "tpu": pallas_kernels.tpu_chunk_totals(p[rows, n], q[rows, kq], chunk=chunk,
+                                               interpret=True),
+        "tpu, 8-row blocks": pallas_kernels.tpu_chunk_totals(
+            p[rows, n], q[rows, kq], chunk=chunk, interpret=True, block_rows=8),
+        "triton": _triton_totals(jnp.asarray(p), jnp.asarray(q), jnp.asarray(n),
+                                 jnp.asarray(kq), chunk=chunk, interpret=True),
+    }
+    for name, totals in got.items():
+        for w, g_ in zip(want, totals):
+            assert g_.shape == w.shape, name
+            np.testing.assert_array_equal(np.asarray(g_), np.asarray(w), err_msg=name)
+
+
+def test_tpu_interpret_mode_matches_reference():
+    """The TPU kernel under Pallas's TPU interpreter (simulated VMEM, DMAs, grid)."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    rng = np.random.default_rng(9)
+    for args, chunk_size in [(_adversarial_block(rng), 128),
+                             (_random_block(rng, 9, 2, 2100), DEFAULT_CHUNK),
+                             (_random_block(rng, 5, 2, 50), 16)]:
+        ref = verify_block(*args, chunk_size=chunk_size)
+        pal = pallas_verify_block(*args, chunk_size=chunk_size,
+                                  interpret=pltpu.InterpretParams())
+        for r, k in zip(ref, pal):
+            np.testing.assert_array_equal(np.asarray(k), np.asarray(r))
+
+
+def test_non_interpret_on_cpu_uses_the_jnp_totals():
+    """Lowered for the CPU (no kernel there), platform_dependent picks the jnp totals."""
+    rng = np.random.default_rng(10)
+    args = _random_block(rng, 8, 3, 300)
+    ref = verify_block(*args)
+    pal = pallas_verify_block(*args, interpret=False)
+    for r, k in zip(ref, pal):
+        np.testing.assert_array_equal(np.asarray(k), np.asarray(r))
+    with pytest.raises(ValueError, match="backend"):
+        pallas_verify_block(*args, backend="cuda")
+
+
+# ------------------------------------------------- lowering for TPU and GPU
+def _abstract_args(b, g, v):
+    return (jax.ShapeDtypeStruct((b, g), jnp.int32), jax.ShapeDtypeStruct((b, g, v), jnp.float32),
+            jax.ShapeDtypeStruct((b, g + 1, v), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            jax.ShapeDtypeStruct((b, g + 1), jnp.float32))
+
+
+KERNEL_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_lowers_for_platform(platform, vocab):
+    """interpret=False lowers from this CPU: Mosaic for TPU, Triton for CUDA."""
+    f = functools.partial(pallas_verify_block, interpret=False)
+    lowered = jax.jit(f).trace(*_abstract_args(64, 16, vocab)).lower(
+        lowering_platforms=(platform,))
+    text = lowered.as_text()
+    assert KERNEL_CALL[platform] in text
+    other = KERNEL_CALL["cuda" if platform == "tpu" else "tpu"]
+    assert other not in text  # platform_dependent kept only this platform's branch
+
+
+# --------------------------------------------------------- module layout
+def test_pallas_kernels_import_nothing_from_dspark_jax():
+    code = ("import sys, pallas_kernels, pallas_kernels.verify_block_ref; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'dspark_jax']; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_one_definition_of_the_reference():
+    import dspark_jax.verify as dv
+    from pallas_kernels import verify_block_ref as ref
+
+    assert dv.verify_block is ref.verify_block_reference is pallas_kernels.verify_block_reference
+    assert dv.sample_from_probs is ref.sample_from_probs
+    assert dv.effective_chunk is ref.effective_chunk
+    assert dv.DEFAULT_CHUNK == ref.DEFAULT_CHUNK == pallas_kernels.DEFAULT_CHUNK
+
+
+# ------------------------------------ opt-in: compile for real hardware, without one
+_TPU_COMPILE = textwrap.dedent("""
+    import functools, sys
+    import jax, jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+    import pallas_kernels
+    dev = topologies.get_topology_desc(sys.argv[1], "tpu").devices[0]
+    for v in (49152, 151936):
+        args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev)) for s, d in
+                [((64, 16), jnp.int32), ((64, 16, v), jnp.float32), ((64, 17, v), jnp.float32),
+                 ((64,), jnp.int32), ((64, 17), jnp.float32)]]
+        f = functools.partial(pallas_kernels.verify_block, interpret=False)
+        jax.jit(f).trace(*args).lower().compile()
+        print("compiled", sys.argv[1], v, flush=True)
+""")
+
+
+@pytest.mark.skipif(not os.environ.get("DSPARK_LIBTPU_DIR"), reason="set DSPARK_LIBTPU_DIR")
+@pytest.mark.parametrize("topology", ["v5e:2x2", "v4:2x2x1"])
+def test_tpu_kernel_compiles_with_libtpu(topology):
+    """Deviceless ahead-of-time compile with the real TPU compiler (Mosaic included)."""
+    env = {**os.environ, "TPU_WORKER_HOSTNAMES": "localhost",
+           "PYTHONPATH": os.pathsep.join([os.environ["DSPARK_LIBTPU_DIR"], REPO])}
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run([sys.executable, "-c", _TPU_COMPILE, topology], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.count("compiled") == 2, out.stderr[-3000:]
+
+
+_TRITON_COMPILE = textwrap.dedent("""
+    import functools, sys, tempfile
+    import jax, jax.numpy as jnp
+    from jax._src.pallas.triton import lowering
+    import pallas_kernels
+    modules = []
+    lower = lowering.lower_jaxpr_to_triton_module
+    def spy(*a, **k):
+        result = lower(*a, **k)
+        modules.append(result.module.operation.get_asm())
+        return result
+    lowering.lower_jaxpr_to_triton_module = spy
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((64, 16), jnp.int32),
+            ((64, 16, 151936), jnp.float32), ((64, 17, 151936), jnp.float32),
+            ((64,), jnp.int32), ((64, 17), jnp.float32)]]
+    f = functools.partial(pallas_kernels.verify_block, interpret=False)
+    jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    with tempfile.NamedTemporaryFile("w", suffix=".ttir") as ir:
+        ir.write(modules[-1]); ir.flush()
+        for arch in (80, 90):
+            k = triton_compile(ir.name, target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": 4, "num_stages": 1})
+            assert k.asm["cubin"], arch
+            print("compiled sm", arch, "shared bytes", k.metadata.shared, flush=True)
+""")
+
+
+@pytest.mark.skipif(not os.environ.get("DSPARK_TRITON_DIR"), reason="set DSPARK_TRITON_DIR")
+def test_triton_kernel_compiles_to_cubin():
+    """The Triton IR that Pallas emits compiles to a cubin (pip `triton`, no GPU needed).
+
+    A check of the IR only: XLA's own bundled Triton compiles it on a real GPU."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([os.environ["DSPARK_TRITON_DIR"], REPO])}
+    out = subprocess.run([sys.executable, "-c", _TRITON_COMPILE], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.count("compiled") == 2, out.stderr[-3000:]
