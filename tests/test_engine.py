@@ -65,7 +65,7 @@ def test_engine_equals_generate_and_reports_every_token(tiny, engines):
     assert len(tokens) == 10 and reason == "length"
     # A step after insert reports the first token even when no round runs for the slot.
     state = engine.insert(engine.new_state(), 2, prompt, SamplingParams(max_new_tokens=1))
-    state, out = engine.step(state)
+    state, out = engine.step(state, rounds=2)
     assert out.tokens[2] == tokens[:1] and out.finished[2] and out.finish_reason[2] == "length"
     assert out.tokens[0] == [] and not out.finished[0] and out.rounds == 0
 
@@ -114,10 +114,10 @@ def test_free_and_reuse_reads_no_leftovers(engines, kind):
     params = SamplingParams(max_new_tokens=20)
     expected, _ = _solo(engine, new_prompt, params)
     state = engine.insert(engine.new_state(), 1, long_prompt, params)
-    for _ in range(3):
-        state, _ = engine.step(state)
+    for _ in range(2):
+        state, _ = engine.step(state, rounds=2)
     state = engine.free(state, 1)
-    state, out = engine.step(state)
+    state, out = engine.step(state, rounds=2)
     assert out.tokens[1] == [] and not out.finished[1]  # a freed slot decodes nothing
     state = engine.insert(state, 1, new_prompt, params)
     _, tokens, _ = _run_to_end(engine, state, [1])
@@ -126,7 +126,7 @@ def test_free_and_reuse_reads_no_leftovers(engines, kind):
 
 def test_no_compile_after_warmup(engines):
     engine = engines["dspark"]
-    seconds = engine.warmup(rounds=(1, 2, 4))
+    seconds = engine.warmup(rounds=(2, 4))
     assert seconds > 0
     compiles = []
     listener = lambda event, duration, **kw: compiles.append(event)  # noqa: E731
@@ -193,15 +193,20 @@ def test_two_engines_do_not_share_state(tiny, engines):
     solo2, _ = _solo(b, p2, params)
     state_a = a.insert(a.new_state(), 0, p1, params)
     state_b = b.insert(b.new_state(), 0, p2, params)
-    state_a, out_a = a.step(state_a, rounds=8)
-    state_b, out_b = b.step(state_b, rounds=8)
-    assert out_a.tokens[0] == solo1 and out_b.tokens[0] == solo2
+    got_a, got_b = [], []
+    for _ in range(3):
+        state_a, out_a = a.step(state_a, rounds=2)
+        state_b, out_b = b.step(state_b, rounds=2)
+        got_a += out_a.tokens[0]
+        got_b += out_b.tokens[0]
+    assert got_a == solo1 and got_b == solo2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", [None, "ngram", "dspark"])
 def test_staggered_arrival_on_real_model(real_target, kind):
-    """Request A decodes 3 steps alone before B arrives in another slot; both equal their solo runs."""
+    """Request A decodes 3 steps (of 2 rounds) alone before B arrives in another slot; both equal
+    their solo runs."""
     drafter = None if kind is None else (load_drafter("ngram") if kind == "ngram"
                                          else init_drafter(real_target, kind, seed=0))
     engine = Engine(real_target, drafter, slots=2, max_len=256)
@@ -213,7 +218,7 @@ def test_staggered_arrival_on_real_model(real_target, kind):
     state = engine.insert(engine.new_state(), 0, prompt_a, params)
     got_a = []
     for _ in range(3):
-        state, out = engine.step(state)
+        state, out = engine.step(state, rounds=2)
         got_a += out.tokens[0]
     state = engine.insert(state, 1, prompt_b, params)
     _, tokens, _ = _run_to_end(engine, state, [0, 1])
