@@ -572,7 +572,7 @@ def format_golden(doc: dict) -> str:
     for i, key in enumerate(keys):
         value, comma = doc[key], "," if i < len(keys) - 1 else ""
         if key == "tables":
-            lines.append(f' "tables": {{')
+            lines.append(' "tables": {')
             names = list(value)
             for j, name in enumerate(names):
                 lines.append(f"  {json.dumps(name)}: {{")
