@@ -208,7 +208,7 @@ class Engine:
         state = self._state_shape()
         for n in insert_batches:
             for length in self.prefill_buckets:
-                self._program("insert", self._insert_fn(), (state, self._abstract_requests(_pow2(n), length)), (0,))
+                self._program("insert", self._insert_fn(), (state, self._abstract_requests(pow2(n), length)), (0,))
         for r in rounds:
             self._program(f"step{int(r)}", self._step_fn(int(r)), (state,), (0,))
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
@@ -255,7 +255,7 @@ class Engine:
         busy = [s for s in slots if occupied[s]]
         if busy:
             raise SlotError(f"slot {busy[0]} is busy; free it first (engine.free(state, {busy[0]}))")
-        n = _pow2(len(requests))
+        n = pow2(len(requests))
         longest = max(len(ids) for ids in checked)
         length = next(b for b in self.prefill_buckets if b >= longest)
         pad_id = self.settings.config.pad_token_id or 0
@@ -294,7 +294,8 @@ class Engine:
         return self._run("free", self._free_fn, (state, np.int32(slot)), (0,))
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (batch buckets)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from dspark_jax.engine import Engine
+from dspark_jax.engine import Engine, pow2
 from dspark_jax.prompts import bucket, check_prompts, encode_prompts
 from dspark_jax.sampling import SamplingParams
 from dspark_jax.target import Target
@@ -40,12 +40,9 @@ def row_seed(seed: int, row: int) -> int:
     return int(np.random.SeedSequence([seed, row]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def engine_for(target: Target, drafter, slots: int, max_len: int, block_size: int | None, verifier: str) -> Engine:
-    """An Engine of these shapes, kept on the target so repeated calls reuse its compiled programs."""
+    """An Engine of these shapes, kept on the target so repeated calls reuse its compiled programs
+    (the Engine checks the drafter against the target and the block size)."""
     key = (id(drafter), slots, max_len, block_size, verifier)
     engine = target.engines.get(key)
     if engine is None or engine.drafter is not drafter:
@@ -86,16 +83,10 @@ def generate(
     Runs on an Engine with one slot per prompt (slots bucketed to a power of two, the cache to
     the bucketed need); the engine is kept on the target, so a repeated call compiles nothing.
     """
-    if drafter is not None and isinstance(drafter, str):
+    if isinstance(drafter, str):
         from dspark_jax.drafters import load_drafter
 
         drafter = load_drafter(drafter, target)
-    if drafter is not None:
-        drafter.check_target(target.config)
-    elif block_size is not None:
-        raise ValueError("block_size needs a drafter (drafter=None is plain autoregressive decoding)")
-    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
     params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=int(seed),
                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     ids = encode_prompts(target.tokenizer, prompts, chat)
@@ -104,7 +95,7 @@ def generate(
     check_prompts(ids, target.config, max_new_tokens, extra)
     max_len = min(bucket(max(len(r) for r in ids) + max_new_tokens + extra, minimum=128),
                   target.config.max_position_embeddings)
-    engine = engine_for(target, drafter, _pow2(len(ids)), max_len, block_size, verifier)
+    engine = engine_for(target, drafter, pow2(len(ids)), max_len, block_size, verifier)
     compile_before = engine.compile_seconds
     start = time.perf_counter()
 
@@ -116,7 +107,7 @@ def generate(
         from dspark_jax.profiling import round_cost_split
 
         split = round_cost_split(engine, state)
-    rounds = min(_pow2(max_new_tokens), MAX_ROUNDS_PER_STEP)
+    rounds = min(pow2(max_new_tokens), MAX_ROUNDS_PER_STEP)
     token_ids = [[] for _ in ids]
     finished = [False] * len(ids)
     while not all(finished):
