@@ -77,6 +77,9 @@ class DecodeSettings:
     slots: int
     max_len: int  # KV-cache slots per row
     verifier: str = "jnp"  # "jnp" reference or "pallas" kernel
+    # Cache slots a step's attention reads ([0, kv_len)); None = max_len. The Engine compiles a
+    # step per span bucket and picks the smallest that holds every live row through the step.
+    kv_len: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -242,7 +245,7 @@ def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: Deco
     def branch(width):
         def run(cache):
             hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
-                                           s.feature_layers)
+                                           s.feature_layers, kv_len=s.kv_len)
             pad = [(0, 0), (0, g1 - width)]
             logits = jnp.pad(logits_from_hidden(params, hidden), pad + [(0, 0)])
             if feats is not None:

@@ -30,7 +30,7 @@ Logical axes (a dimension of size ``n`` per array):
     draft_vocab  the id table of a reduced draft vocabulary (replicated)
 
 Divisibility. A dimension is split only in whole *units*: a flattened heads dimension
-(wq [e, heads*head_dim]) may be split over ``tensor`` only when the head COUNT divides evenly,
+(wq [heads*head_dim, e]) may be split over ``tensor`` only when the head COUNT divides evenly,
 never through the middle of a head. The unit is carried by the name itself: `LogicalAxis` is a
 ``str`` (so flax and the rules see the plain name ``"q_heads"``) with a ``unit`` attribute, the
 number of elements per indivisible unit (head_dim for a flattened heads dim, 1 by default). After
@@ -174,21 +174,22 @@ def is_axes_leaf(x) -> bool:
 # ----------------------------------------------------------------------------- layouts: target
 # Declared beside models/transformer.py's layout docstring (same names, same order).
 def target_top_axes(config: ModelConfig) -> dict[str, tuple]:
-    """Top-level target params: embed [vocab, e], final_norm [e], lm_head [e, vocab]."""
+    """Top-level target params: embed [vocab, e], final_norm [e], lm_head [vocab, e]."""
     del config
-    return {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("embed", "vocab")}
+    return {"embed": ("vocab", "embed"), "final_norm": ("norm",), "lm_head": ("vocab", "embed")}
 
 
 def target_layer_axes(config: ModelConfig | None) -> dict[str, tuple]:
-    """One target layer (unstacked shapes); drafters with target-shaped layers reuse it."""
+    """One target layer (unstacked shapes; linear weights [out, in]); drafters with target-shaped
+    layers reuse it."""
     d = None if config is None else config.head_dim
     q, kv = heads_axis("q_heads", d), heads_axis("kv_heads", d)
     return {
         "attn_norm": ("norm",), "mlp_norm": ("norm",),
-        "wq": ("embed", q), "wk": ("embed", kv), "wv": ("embed", kv), "wo": (q, "embed"),
+        "wq": (q, "embed"), "wk": (kv, "embed"), "wv": (kv, "embed"), "wo": ("embed", q),
         "bq": (q,), "bk": (kv,), "bv": (kv,),
         "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-        "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+        "w_gate": ("mlp", "embed"), "w_up": ("mlp", "embed"), "w_down": ("embed", "mlp"),
     }
 
 
@@ -254,7 +255,7 @@ def eagle3_param_axes(params: Mapping, tcfg: ModelConfig | None) -> dict:
     """drafters/eagle3.py: fc [m*e, e], layer (wq/wk/wv read the 2e-wide [E ; x]), final_norm [e]."""
     layer = dict(target_layer_axes(tcfg))
     for name in ("wq", "wk", "wv"):
-        layer[name] = ("features",) + layer[name][1:]
+        layer[name] = layer[name][:-1] + ("features",)
     layer.update(embed_norm=("norm",), hidden_norm=("norm",))
     top = {"fc": ("features", "embed"), "final_norm": ("norm",)}
     out = {}
@@ -476,8 +477,8 @@ def target_param_shapes(config: ModelConfig, stacked: bool = False, dtype=np.flo
     """ShapeDtypeStructs of a target's params from its config alone (the layout of transformer.py)."""
     e, f, d, L = config.hidden_size, config.intermediate_size, config.head_dim, config.num_layers
     hq, hkv = config.num_heads * d, config.num_kv_heads * d
-    layer = {"attn_norm": (e,), "mlp_norm": (e,), "wq": (e, hq), "wk": (e, hkv), "wv": (e, hkv), "wo": (hq, e),
-             "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e)}
+    layer = {"attn_norm": (e,), "mlp_norm": (e,), "wq": (hq, e), "wk": (hkv, e), "wv": (hkv, e), "wo": (e, hq),
+             "w_gate": (f, e), "w_up": (f, e), "w_down": (e, f)}
     if config.attention_bias:
         layer.update(bq=(hq,), bk=(hkv,), bv=(hkv,))
     if config.qk_norm:
@@ -485,7 +486,7 @@ def target_param_shapes(config: ModelConfig, stacked: bool = False, dtype=np.flo
     sds = lambda s: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
     params = {"embed": sds((config.vocab_size, e)), "final_norm": sds((e,))}
     if not config.tie_word_embeddings:
-        params["lm_head"] = sds((e, config.vocab_size))
+        params["lm_head"] = sds((config.vocab_size, e))
     if stacked:
         params["layers"] = {k: sds((L,) + s) for k, s in layer.items()}
     else:

@@ -65,3 +65,31 @@ def real_hf():
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model, tokenizer
+
+
+def random_target_params(key, cfg):
+    """Random target params in the stacked layout of sharding.target_param_shapes (the one
+    declaration of transformer.py's layout): norms near 1 and biases non-zero so they matter,
+    linear weights [out, in] scaled by 1/sqrt(in), a unit-scale embedding."""
+    import jax
+    import numpy as np
+
+    from dspark_jax.sharding import target_param_shapes
+
+    shapes = target_param_shapes(cfg, stacked=True)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, leaf), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        noise = jax.random.normal(k, leaf.shape)
+        if "norm" in name:
+            out.append(1.0 + 0.1 * noise)
+        elif name.startswith("['embed']"):
+            out.append(noise)
+        elif name[-4:-2] in ("bq", "bk", "bv"):
+            out.append(0.2 * noise)
+        else:
+            out.append(noise / np.sqrt(leaf.shape[-1]))
+    return jax.tree_util.tree_unflatten(tree, out)
+

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random_target_params
 from dspark_jax.drafters import dflash, heads
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.losses import dflash_loss, dspark_loss, position_weights
@@ -34,25 +35,7 @@ def _dcfg(**kw):
 
 
 def _random_target(key, cfg):
-    """Random params in the target layout (norms and biases randomised so they matter)."""
-    e, f, d, nl = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
-    shapes = {"attn_norm": (nl, e), "mlp_norm": (nl, e), "wq": (nl, e, cfg.num_heads * d),
-              "wk": (nl, e, cfg.num_kv_heads * d), "wv": (nl, e, cfg.num_kv_heads * d),
-              "wo": (nl, cfg.num_heads * d, e), "w_gate": (nl, e, f), "w_up": (nl, e, f), "w_down": (nl, f, e)}
-    if cfg.attention_bias:
-        shapes.update(bq=(nl, cfg.num_heads * d), bk=(nl, cfg.num_kv_heads * d), bv=(nl, cfg.num_kv_heads * d))
-    if cfg.qk_norm:
-        shapes.update(q_norm=(nl, d), k_norm=(nl, d))
-    keys = iter(jax.random.split(key, len(shapes) + 4))
-    layers = {}
-    for name, shape in shapes.items():
-        noise = jax.random.normal(next(keys), shape)
-        layers[name] = 1.0 + 0.1 * noise if "norm" in name else 0.2 * noise
-    params = {"embed": jax.random.normal(next(keys), (cfg.vocab_size, e)), "layers": layers,
-              "final_norm": 1.0 + 0.1 * jax.random.normal(next(keys), (e,))}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = 0.3 * jax.random.normal(next(keys), (e, cfg.vocab_size))
-    return params
+    return random_target_params(key, cfg)
 
 
 def _randomize(params, key, scale=0.2):

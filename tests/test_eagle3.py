@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random_target_params
 from dspark_jax.drafters import eagle3
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.models.config import ModelConfig
@@ -28,21 +29,7 @@ _features = jax.jit(lambda p, toks: forward(p, TCFG, toks, jnp.broadcast_to(jnp.
 
 
 def _target_params(key):
-    """Random target params in transformer.py's stacked layout."""
-    e, f, L, V = TCFG.hidden_size, TCFG.intermediate_size, TCFG.num_layers, TCFG.vocab_size
-    qd, kvd = TCFG.num_heads * TCFG.head_dim, TCFG.num_kv_heads * TCFG.head_dim
-    ks = iter(jax.random.split(key, 12))
-    n = lambda shape, fan: jax.random.normal(next(ks), shape) / np.sqrt(fan)  # noqa: E731
-    return {
-        "embed": jax.random.normal(next(ks), (V, e)), "final_norm": 1 + 0.1 * jax.random.normal(next(ks), (e,)),
-        "lm_head": n((e, V), e),
-        "layers": {
-            "attn_norm": 1 + 0.1 * jax.random.normal(next(ks), (L, e)),
-            "mlp_norm": 1 + 0.1 * jax.random.normal(next(ks), (L, e)),
-            "wq": n((L, e, qd), e), "wk": n((L, e, kvd), e), "wv": n((L, e, kvd), e), "wo": n((L, qd, e), qd),
-            "w_gate": n((L, e, f), e), "w_up": n((L, e, f), e), "w_down": n((L, f, e), f),
-        },
-    }
+    return random_target_params(key, TCFG)
 
 
 def _randomize(params, key):
@@ -59,7 +46,7 @@ def setup():
     key = jax.random.PRNGKey(0)
     tparams = _target_params(jax.random.fold_in(key, 1))
     dparams = eagle3.init_params(jax.random.fold_in(key, 2), TCFG, DCFG)
-    assert dparams["fc"].shape == (3 * 32, 32) and dparams["layer"]["wq"].shape == (64, 32)
+    assert dparams["fc"].shape == (3 * 32, 32) and dparams["layer"]["wq"].shape == (32, 64)
     dparams = _randomize(dparams, jax.random.fold_in(key, 3))
     tokens = jax.random.randint(jax.random.fold_in(key, 4), (2, T), 0, TCFG.vocab_size, dtype=jnp.int32)
     return tparams, dparams, tokens

@@ -62,8 +62,8 @@ def test_golden_table_matches_rules_and_layouts():
 def test_golden_table_shows_the_divisibility_decisions():
     tables = _golden()["tables"]
     serve = tables[SERVE_T4]
-    assert serve["layers.*.w_gate"]["spec"] == [None, "tensor"]  # 1536 MLP = 4 x 384
-    assert serve["layers.*.w_down"]["spec"] == ["tensor", None]
+    assert serve["layers.*.w_gate"]["spec"] == ["tensor", None]  # 1536 MLP = 4 x 384 ([out, in] weights)
+    assert serve["layers.*.w_down"]["spec"] == [None, "tensor"]
     assert serve["embed"]["spec"] == ["tensor", None]  # 49152 vocab rows
     for name in ("wq", "wk", "wv", "wo"):  # 9 query / 3 KV heads do not split 4-way
         row = serve[f"layers.*.{name}"]
@@ -207,7 +207,7 @@ def test_abstract_mesh_and_single_device_placement():
     params = sh.target_param_shapes(config)
     axes = sh.target_param_axes(params, config)
     abstract = sh.tree_partition_specs(params, axes, sh.abstract_mesh(tensor=2), sh.SERVE_RULES)
-    assert abstract["layers"][0]["wq"] == jax.sharding.PartitionSpec(None, "tensor")
+    assert abstract["layers"][0]["wq"] == jax.sharding.PartitionSpec("tensor", None)
     mesh = sh.make_mesh()  # 1 x 1 x 1 on the single test device
     assert mesh.axis_names == sh.MESH_AXES and mesh.devices.size == 1
     real = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
@@ -404,7 +404,7 @@ def test_sharded_arrays_are_really_distributed(eight_devices):
         expected = [n // 4 if axis == "tensor" else n for n, axis in zip(row["shape"], row["spec"])]
         assert row["shards"] == [expected], name  # each device holds a quarter (or all, if replicated)
     # Split: the MLP and the (tied) vocabulary. Replicated (9 / 3 heads do not divide by 4): attention.
-    assert params["layers.*.w_gate"]["shards"] == [[576, 384]]
+    assert params["layers.*.w_gate"]["shards"] == [[384, 576]]
     assert params["embed"]["shards"] == [[12288, 576]]
     assert params["layers.*.wq"]["shards"] == [[576, 576]]
     drafter = r["drafter_params"]
@@ -415,9 +415,9 @@ def test_sharded_arrays_are_really_distributed(eight_devices):
     # The tiny model on data=2 x tensor=2: 4 query / 2 KV heads split over tensor, replicated over
     # data; its KV cache rows over data and KV heads over tensor, before and after the program.
     tiny = r["tiny_params"]
-    assert tiny["wq"]["spec"] == [None, "tensor"] and tiny["wq"]["shards"] == [[64, 32]]
-    assert tiny["wk"]["spec"] == [None, "tensor"] and tiny["wk"]["shards"] == [[64, 16]]
-    assert tiny["wo"]["spec"] == ["tensor", None] and tiny["w_up"]["shards"] == [[64, 64]]
+    assert tiny["wq"]["spec"] == ["tensor", None] and tiny["wq"]["shards"] == [[32, 64]]
+    assert tiny["wk"]["spec"] == ["tensor", None] and tiny["wk"]["shards"] == [[16, 64]]
+    assert tiny["wo"]["spec"] == [None, "tensor"] and tiny["w_up"]["shards"] == [[64, 64]]
     for key in ("cache_in", "cache_out"):
         assert r[key]["spec"] == ["data", "tensor", None, None] and r[key]["devices"] == 4
         assert r[key]["shards"] == [[1, 1, 32, 16]]

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from dspark_jax.drafters import heads
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import rms_norm
+from dspark_jax.models.layers import linear, rms_norm
 from dspark_jax.models.transformer import embed, lm_head_weight, mlp_residual, project_qkv, target_rope
 from dspark_jax.sampling import RowSampling, sample_with_probs
 
@@ -75,9 +75,9 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
 
     layers = {
         "attn_norm": jnp.ones((nl, e)), "mlp_norm": jnp.ones((nl, e)),
-        "wq": normal((nl, e, hq)), "wk": normal((nl, e, hkv)), "wv": normal((nl, e, hkv)),
-        "wo": normal((nl, hq, e)),
-        "w_gate": normal((nl, e, f)), "w_up": normal((nl, e, f)), "w_down": normal((nl, f, e)),
+        "wq": normal((nl, hq, e)), "wk": normal((nl, hkv, e)), "wv": normal((nl, hkv, e)),
+        "wo": normal((nl, e, hq)),
+        "w_gate": normal((nl, f, e)), "w_up": normal((nl, f, e)), "w_down": normal((nl, e, f)),
     }
     if tcfg.attention_bias:
         layers.update(bq=jnp.zeros((nl, hq)), bk=jnp.zeros((nl, hkv)), bv=jnp.zeros((nl, hkv)))
@@ -169,7 +169,7 @@ def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, 
         q = q.reshape(b, a, G, tcfg.num_heads, tcfg.head_dim)
         k = k.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
         v = v.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
-        h = h + _block_attention(q, ck, cv, ctx_visible, k, v) @ lp["wo"]
+        h = h + linear(_block_attention(q, ck, cv, ctx_visible, k, v), lp["wo"])
         return mlp_residual(lp, tcfg, h), None
 
     h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v))
@@ -177,11 +177,14 @@ def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, 
 
 
 def _vocab_logits(params: dict, target_params: dict, hidden: jax.Array) -> jax.Array:
-    """Hidden [..., e] -> float32 logits [..., N] over the draft vocabulary (N = V when not reduced)."""
-    w = lm_head_weight(target_params)  # [e, V]
+    """Hidden [..., e] -> float32 logits [..., N] over the draft vocabulary (N = V when not reduced).
+
+    With a reduced vocabulary only its N rows of the target's LM head are read (a row gather,
+    contiguous in the [V, e] layout), so the drafter's head costs N/V of the target's."""
+    w = lm_head_weight(target_params)  # [V, e]
     if "draft_vocab" in params:
-        w = jnp.take(w, params["draft_vocab"], axis=1)  # [e, N]
-    return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+        w = jnp.take(w, params["draft_vocab"], axis=0)  # [N, e]
+    return linear(hidden, w, out_dtype=jnp.float32)
 
 
 def _to_full_vocab(params: dict, tcfg: ModelConfig, logits: jax.Array) -> jax.Array:

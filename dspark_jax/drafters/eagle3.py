@@ -20,10 +20,10 @@ Params:
     fc           [m*e, e]          fuses the m (= 3) target features, no bias
     layer:
       embed_norm, hidden_norm [e]  (EAGLE-3's input_layernorm and hidden_norm)
-      wq [2e, heads*d]  wk, wv [2e, kv_heads*d]  wo [heads*d, e]
+      wq [heads*d, 2e]  wk, wv [kv_heads*d, 2e]  wo [e, heads*d]    (linear weights [out, in])
       bq [heads*d] bk, bv [kv_heads*d]  (only if the target has attention_bias)
       q_norm, k_norm [d]                (only if the target has qk_norm)
-      mlp_norm [e]  w_gate, w_up [e, f]  w_down [f, e]
+      mlp_norm [e]  w_gate, w_up [f, e]  w_down [e, f]
     final_norm   [e]
 The embedding and LM head are the target's (shared, frozen), read from `target_params`.
 """
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import rms_norm
+from dspark_jax.models.layers import linear, rms_norm
 from dspark_jax.models.transformer import attention_out, embed, logits_from_hidden, mlp_residual, project_qkv, target_rope
 from dspark_jax.sampling import RowSampling, sample_with_probs
 
@@ -78,8 +78,8 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig, dtype=jn
     ones = lambda n: jnp.ones((n,), dtype)  # noqa: E731
     layer = {
         "embed_norm": ones(e), "hidden_norm": ones(e),
-        "wq": mat((2 * e, qd)), "wk": mat((2 * e, kvd)), "wv": mat((2 * e, kvd)), "wo": mat((qd, e)),
-        "mlp_norm": ones(e), "w_gate": mat((e, f)), "w_up": mat((e, f)), "w_down": mat((f, e)),
+        "wq": mat((qd, 2 * e)), "wk": mat((kvd, 2 * e)), "wv": mat((kvd, 2 * e)), "wo": mat((e, qd)),
+        "mlp_norm": ones(e), "w_gate": mat((f, e)), "w_up": mat((f, e)), "w_down": mat((e, f)),
     }
     if tcfg.attention_bias:
         layer.update(bq=jnp.zeros((qd,), dtype), bk=jnp.zeros((kvd,), dtype), bv=jnp.zeros((kvd,), dtype))
@@ -228,7 +228,7 @@ def train_hidden(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: Dra
         else:
             diag_k = jnp.concatenate([diag_k, k[:, :, None]], axis=2)
             diag_v = jnp.concatenate([diag_v, v[:, :, None]], axis=2)
-        attn = _attend_ctx_diag(q, ctx_k, ctx_v, diag_k, diag_v, causal).reshape(b, total, -1) @ lp["wo"]
+        attn = linear(_attend_ctx_diag(q, ctx_k, ctx_v, diag_k, diag_v, causal).reshape(b, total, -1), lp["wo"])
         x = mlp_residual(lp, tcfg, x + attn)
         outs.append(rms_norm(x, params["final_norm"], tcfg.rms_norm_eps))
     return jnp.stack(outs)

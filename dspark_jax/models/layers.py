@@ -10,6 +10,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dspark_jax.models.config import RopeScaling
 
@@ -57,18 +58,57 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_majo
     q [b, t, kv_heads * groups, d]; k, v [b, s, kv_heads, d], or [b, kv_heads, s, d] with kv_major
     (the KV-cache layout, so the cache is never transposed); mask [b, t, s] (True = visible).
     Returns [b, t, kv_heads * groups, d]. Softmax runs in float32.
+
+    Both products are plain batched matmuls over (b, kv_heads) with the (group, query) rows
+    together: scores [g*t, d] x [s, d]^T and weights [g*t, s] x [s, d]. Written as einsums with
+    other output orders, XLA:CPU transposed the whole cache or ran the weights x values product
+    as a slow transposed matmul in every layer.
     """
     b, t, num_heads, d = q.shape
-    kv_heads = k.shape[1] if kv_major else k.shape[2]
-    qg = q.reshape(b, t, kv_heads, num_heads // kv_heads, d)
-    spec = "bksd" if kv_major else "bskd"
-    scores = jnp.einsum(f"btkgd,{spec}->bkgts", qg, k.astype(q.dtype), preferred_element_type=jnp.float32)
+    if not kv_major:
+        k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [b, kv_heads, s, d]
+    kv_heads, s = k.shape[1], k.shape[2]
+    g = num_heads // kv_heads
+    rows = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)  # (g, t) rows
+    batch = ((0, 1), (0, 1))
+    scores = lax.dot_general(rows, k.astype(q.dtype), (((3,), (3,)), batch),
+                             preferred_element_type=jnp.float32).reshape(b, kv_heads, g, t, s)
     scores = jnp.where(mask[:, None, None, :, :], scores * (1.0 / math.sqrt(d)), jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum(f"bkgts,{spec}->btkgd", weights, v.astype(q.dtype))
-    return out.reshape(b, t, num_heads, d)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv_heads, g * t, s)
+    out = lax.dot_general(weights, v.astype(q.dtype), (((3,), (2,)), batch))  # [b, kv_heads, g*t, d]
+    return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, d)
+
+
+# Token counts up to this run as (weight x activations^T) on XLA:CPU (see `linear`).
+_CPU_SKINNY_TOKENS = 32
+
+
+def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., in] times a weight stored [out, in] (the checkpoints' own layout) -> [..., out].
+
+    Every projection and the LM head go through here. On XLA:CPU a skinny product (decode and
+    verification: a few tokens against a large weight) runs about twice as fast as
+    w [out, in] x x^T -> [out, n] followed by a small transpose than as x [n, in] x w^T: the
+    kernels handle a small N far better than a small M. The optimization barrier keeps XLA from
+    folding the transpose back into the product. Other platforms, and long inputs (prefill,
+    training), get the plain product. The arithmetic is the same dot product either way.
+    """
+    lead, n_in = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, n_in)  # [n, in]
+    contract = (((1,), (1,)), ((), ()))
+
+    def plain(x2, w):
+        return lax.dot_general(x2, w, contract, preferred_element_type=out_dtype)
+
+    def cpu(x2, w):
+        if x2.shape[0] > _CPU_SKINNY_TOKENS:
+            return plain(x2, w)
+        return lax.optimization_barrier(lax.dot_general(w, x2, contract, preferred_element_type=out_dtype)).T
+
+    y = lax.platform_dependent(x2, w, cpu=cpu, default=plain)
+    return y.reshape(*lead, w.shape[0])
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: down(silu(x @ gate) * (x @ up)); weights are [in, out]."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    """SwiGLU MLP: down(silu(gate x) * (up x)); weights are [out, in]."""
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)

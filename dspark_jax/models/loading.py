@@ -19,27 +19,27 @@ import numpy as np
 
 from dspark_jax.models.config import ConfigError, ModelConfig, RopeScaling, config_from_hf
 
-# (our name, HF name, GGUF name, is a linear weight stored [out, in] that we keep as [in, out])
+# (our name, HF name, GGUF name); linear weights stay [out, in] as both formats store them
 _LAYER_TABLE = (
-    ("attn_norm", "input_layernorm.weight", "attn_norm.weight", False),
-    ("wq", "self_attn.q_proj.weight", "attn_q.weight", True),
-    ("wk", "self_attn.k_proj.weight", "attn_k.weight", True),
-    ("wv", "self_attn.v_proj.weight", "attn_v.weight", True),
-    ("wo", "self_attn.o_proj.weight", "attn_output.weight", True),
-    ("bq", "self_attn.q_proj.bias", "attn_q.bias", False),
-    ("bk", "self_attn.k_proj.bias", "attn_k.bias", False),
-    ("bv", "self_attn.v_proj.bias", "attn_v.bias", False),
-    ("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight", False),
-    ("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight", False),
-    ("mlp_norm", "post_attention_layernorm.weight", "ffn_norm.weight", False),
-    ("w_gate", "mlp.gate_proj.weight", "ffn_gate.weight", True),
-    ("w_up", "mlp.up_proj.weight", "ffn_up.weight", True),
-    ("w_down", "mlp.down_proj.weight", "ffn_down.weight", True),
+    ("attn_norm", "input_layernorm.weight", "attn_norm.weight"),
+    ("wq", "self_attn.q_proj.weight", "attn_q.weight"),
+    ("wk", "self_attn.k_proj.weight", "attn_k.weight"),
+    ("wv", "self_attn.v_proj.weight", "attn_v.weight"),
+    ("wo", "self_attn.o_proj.weight", "attn_output.weight"),
+    ("bq", "self_attn.q_proj.bias", "attn_q.bias"),
+    ("bk", "self_attn.k_proj.bias", "attn_k.bias"),
+    ("bv", "self_attn.v_proj.bias", "attn_v.bias"),
+    ("q_norm", "self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("k_norm", "self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("mlp_norm", "post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("w_gate", "mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("w_up", "mlp.up_proj.weight", "ffn_up.weight"),
+    ("w_down", "mlp.down_proj.weight", "ffn_down.weight"),
 )
 _TOP_TABLE = (
-    ("embed", "model.embed_tokens.weight", "token_embd.weight", False),
-    ("final_norm", "model.norm.weight", "output_norm.weight", False),
-    ("lm_head", "lm_head.weight", "output.weight", True),
+    ("embed", "model.embed_tokens.weight", "token_embd.weight"),
+    ("final_norm", "model.norm.weight", "output_norm.weight"),
+    ("lm_head", "lm_head.weight", "output.weight"),
 )
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -65,20 +65,19 @@ def expected_layer_params(config: ModelConfig) -> list[str]:
 def _assemble(config: ModelConfig, get: Callable[[str, int | None], np.ndarray | None], source: str) -> dict:
     """Build the params pytree from a getter (our name, layer or None) -> array in [out, in] form."""
 
-    def fetch(name, layer, transpose):
+    def fetch(name, layer):
         arr = get(name, layer)
         if arr is None:
             where = f"layer {layer} " if layer is not None else ""
             raise ConfigError(f"{source}: missing tensor for {where}{name}")
-        return np.ascontiguousarray(arr.T) if transpose else arr
+        return arr
 
-    params = {"embed": fetch("embed", None, False), "final_norm": fetch("final_norm", None, False)}
+    params = {"embed": fetch("embed", None), "final_norm": fetch("final_norm", None)}
     if not config.tie_word_embeddings:
-        params["lm_head"] = fetch("lm_head", None, True)
+        params["lm_head"] = fetch("lm_head", None)
     wanted = set(expected_layer_params(config))
-    transposed = {name: t for name, _, _, t in _LAYER_TABLE}
     params["layers"] = {
-        name: np.stack([fetch(name, i, transposed[name]) for i in range(config.num_layers)])
+        name: np.stack([fetch(name, i) for i in range(config.num_layers)])
         for name in sorted(wanted)
     }
     if params["embed"].shape != (config.vocab_size, config.hidden_size):
@@ -127,7 +126,7 @@ def load_hf_folder(directory: str) -> tuple[ModelConfig, dict]:
         with safe_open(os.path.join(directory, shard), framework="flax") as f:
             for key in f.keys():
                 tensors[key] = np.asarray(f.get_tensor(key), dtype=np.float32)
-    hf_names = {name: hf for name, hf, _, _ in _LAYER_TABLE + _TOP_TABLE}
+    hf_names = {name: hf for name, hf, _ in _LAYER_TABLE + _TOP_TABLE}
 
     def get(name, layer):
         key = hf_names[name] if layer is None else f"model.layers.{layer}.{hf_names[name]}"
@@ -223,7 +222,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict, dict]:
 
     reader, fields, config = read_gguf(path)
     by_name = {t.name: t for t in reader.tensors}
-    gguf_names = {name: g for name, _, g, _ in _LAYER_TABLE + _TOP_TABLE}
+    gguf_names = {name: g for name, _, g in _LAYER_TABLE + _TOP_TABLE}
 
     def get(name, layer):
         key = gguf_names[name] if layer is None else f"blk.{layer}.{gguf_names[name]}"
@@ -303,7 +302,7 @@ def converted_gguf(path: str):
     from dspark_jax.models.tokenizer import tokenizer_from_gguf_fields
 
     stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|v1".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|v2".encode()).hexdigest()[:16]
     folder = os.path.join(cache_dir(), "converted", key)
     done = os.path.join(folder, "DONE")
     if os.path.isfile(done):

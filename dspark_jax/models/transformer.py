@@ -6,13 +6,16 @@ the unrolled layer loop reads without copies. `forward` accepts both.
 
     embed        [vocab, e]
     final_norm   [e]
-    lm_head      [e, vocab]          (absent when embeddings are tied)
+    lm_head      [vocab, e]          (absent when embeddings are tied)
     layers:
       attn_norm  [L, e]              mlp_norm [L, e]
-      wq [L, e, heads*d]  wk, wv [L, e, kv_heads*d]  wo [L, heads*d, e]
+      wq [L, heads*d, e]  wk, wv [L, kv_heads*d, e]  wo [L, e, heads*d]
       bq [L, heads*d]  bk, bv [L, kv_heads*d]        (attention_bias only)
       q_norm, k_norm [L, d]                          (qk_norm only)
-      w_gate, w_up [L, e, f]  w_down [L, f, e]
+      w_gate, w_up [L, f, e]  w_down [L, e, f]
+
+Linear weights are stored [out, in], as the checkpoints store them, and applied by
+layers.linear (see there why that orientation is the fast one for decoding).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import attend, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
+from dspark_jax.models.layers import attend, linear, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -78,9 +82,9 @@ def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, rope):
     `rope` is target_rope(config, positions) (computed once per forward, shared by all layers).
     """
     b, t, _ = x.shape
-    q = x @ lp["wq"]
-    k = x @ lp["wk"]
-    v = x @ lp["wv"]
+    q = linear(x, lp["wq"])
+    k = linear(x, lp["wk"])
+    v = linear(x, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(b, t, config.num_heads, config.head_dim)
@@ -95,7 +99,7 @@ def project_qkv(lp: dict, config: ModelConfig, x: jax.Array, rope):
 def attention_out(lp: dict, q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> jax.Array:
     """Attention of q over (keys, values) followed by the output projection -> [b, t, e]."""
     b, t = q.shape[:2]
-    return attend(q, keys, values, mask).reshape(b, t, -1) @ lp["wo"]
+    return linear(attend(q, keys, values, mask).reshape(b, t, -1), lp["wo"])
 
 
 def mlp_residual(lp: dict, config: ModelConfig, h: jax.Array) -> jax.Array:
@@ -109,13 +113,25 @@ def embed(params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def lm_head_weight(params: dict) -> jax.Array:
-    """[e, vocab]; the transposed embedding when embeddings are tied."""
-    return params["lm_head"] if "lm_head" in params else params["embed"].T
+    """[vocab, e] (out, in); the embedding itself when embeddings are tied."""
+    return params["lm_head"] if "lm_head" in params else params["embed"]
 
 
 def logits_from_hidden(params: dict, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [..., e] -> float32 logits [..., vocab]."""
-    return jnp.matmul(hidden, lm_head_weight(params), preferred_element_type=jnp.float32)
+    return linear(hidden, lm_head_weight(params), out_dtype=jnp.float32)
+
+
+def write_chunk(buffer: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Array:
+    """Write chunk [b, t, kv_heads, d] into a cache buffer [b, kv_heads, max_len, d] at slots
+    start[b] .. start + t - 1 of each row.
+
+    One dynamic-update-slice per row: XLA updates the donated buffer in place. (A scatter with
+    out-of-range dropping made XLA:CPU copy the buffer several times per layer.) The slots must
+    lie inside the buffer; the Engine guarantees it by checking prompt + budget against max_len.
+    """
+    rows = jnp.swapaxes(chunk.astype(buffer.dtype), 1, 2)  # [b, kv_heads, t, d]
+    return jax.vmap(lambda row, new, s0: lax.dynamic_update_slice(row, new, (0, s0, 0)))(buffer, rows, start)
 
 
 def forward(
@@ -125,13 +141,16 @@ def forward(
     positions: jax.Array,  # [b, t] int32 absolute positions, consecutive within a row
     cache: KVCache | None = None,
     feature_layers: tuple[int, ...] = (),
+    kv_len: int | None = None,
 ):
     """Run the decoder stack over a chunk of new tokens.
 
     With a cache, each row's chunk starts at positions[:, 0]; the chunk's K/V are written at slots
-    `positions` (out-of-range slots are dropped), then queries attend to the committed slots
-    before the chunk and causally to the chunk's own slots. Without a cache, attention is
-    causal by position among the given tokens (padding must carry positions past the real ones).
+    `positions` (which must lie inside the cache), then queries attend to the committed slots
+    before the chunk and causally to the chunk's own slots. `kv_len` (static) limits attention
+    to slots [0, kv_len): the caller guarantees every position is below it, so a short context
+    does not pay for reading the whole max_len cache. Without a cache, attention is causal by
+    position among the given tokens (padding must carry positions past the real ones).
     Layers run as an unrolled loop over per-layer buffers (see unstack_layers).
 
     Returns (hidden [b, t, e] after the final norm, updated cache or None,
@@ -150,11 +169,11 @@ def forward(
 
     chunk_mask = positions[:, None, :] <= positions[:, :, None]  # [b, t, t] causal by position
     if cache is not None:
-        slots = jnp.arange(cache.max_len, dtype=jnp.int32)
+        span = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
+        slots = jnp.arange(span, dtype=jnp.int32)
         # Committed slots before the chunk, and the chunk's own slots causally (it is written first).
         cache_mask = (slots[None, None, :] < positions[:, :1, None]) | (
             (slots[None, None, :] >= positions[:, :1, None]) & (slots[None, None, :] <= positions[:, :, None]))
-        rows = jnp.arange(b)[:, None]
 
     layers = unstack_layers(params)["layers"]  # a no-op for loaded targets
     new_k, new_v = [], []
@@ -165,14 +184,13 @@ def forward(
             attn = attend(q, k, v, chunk_mask)
         else:
             # Write first, then attend to the updated buffer: the read depends on the write, so
-            # XLA updates the cache in place (a read of the old buffer next to an independent
-            # write made it copy every layer's cache every step). Slots past the cache drop.
-            layer_k = cache.k[i].at[rows, :, positions].set(k.astype(cache.k[i].dtype), mode="drop")
-            layer_v = cache.v[i].at[rows, :, positions].set(v.astype(cache.v[i].dtype), mode="drop")
-            attn = attend(q, layer_k, layer_v, cache_mask, kv_major=True)
+            # XLA updates the cache in place.
+            layer_k = write_chunk(cache.k[i], k, positions[:, 0])
+            layer_v = write_chunk(cache.v[i], v, positions[:, 0])
+            attn = attend(q, layer_k[:, :, :span], layer_v[:, :, :span], cache_mask, kv_major=True)
             new_k.append(layer_k)
             new_v.append(layer_v)
-        h = h + attn.reshape(b, t, -1) @ lp["wo"]
+        h = h + linear(attn.reshape(b, t, -1), lp["wo"])
         h = mlp_residual(lp, config, h)
         if i in feature_layers:
             taps[i] = h
