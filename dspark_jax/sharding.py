@@ -257,7 +257,7 @@ def eagle3_param_axes(params: Mapping, tcfg: ModelConfig | None) -> dict:
     for name in ("wq", "wk", "wv"):
         layer[name] = layer[name][:-1] + ("features",)
     layer.update(embed_norm=("norm",), hidden_norm=("norm",))
-    top = {"fc": ("features", "embed"), "final_norm": ("norm",)}
+    top = {"fc": ("features", "embed"), "final_norm": ("norm",), "draft_vocab": ("draft_vocab",)}
     out = {}
     for key, value in params.items():
         if key == "layer":

@@ -1,6 +1,8 @@
 """Tests for the EAGLE-3 drafter: inference matches the training unroll, incremental extends match
 one extend, batched rows match rows alone, the loss trains, and sampling returns valid q."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -193,3 +195,30 @@ def test_sampling_path(setup):
     out2, _, _ = _draft_at(tparams, dparams, state, tokens, P, cfg, jax.random.PRNGKey(4))
     outs = {tuple(np.asarray(out.tokens).ravel()), tuple(np.asarray(out2.tokens).ravel())}
     assert len(outs) == 2  # the key drives the samples
+
+
+def test_reduced_draft_vocabulary(setup):
+    """With a reduced vocabulary, EAGLE-3 drafts only its ids, step 1 (which depends on the context
+    alone) has the full drafter's logits on them, and everything outside has probability 0."""
+    tparams, dparams, tokens = setup
+    n = 24
+    dcfg_r = dataclasses.replace(DCFG, draft_vocab_size=n)
+    reduced = dict(dparams, draft_vocab=jax.random.permutation(jax.random.PRNGKey(5), TCFG.vocab_size)[:n].astype(jnp.int32))
+    ids = np.asarray(reduced["draft_vocab"])
+    P = np.array([7, 12])
+    feats = _features(tparams, tokens)
+    state = _prefill(tparams, dparams, tokens, feats, P)
+    anchor_pos = jnp.asarray(P, jnp.int32)
+    anchor = jnp.take_along_axis(tokens, anchor_pos[:, None], axis=1)[:, 0]
+    keys = jax.random.split(jax.random.PRNGKey(7), 2)
+    sampling = RowSampling(jnp.full((2,), 1.0), jnp.zeros((2,), jnp.int32), jnp.ones((2,)))
+    out, logits, _ = _draft(reduced, tparams, TCFG, dcfg_r, state, anchor, anchor_pos, keys, sampling)
+    _, full_logits, _ = _draft(dparams, tparams, TCFG, DCFG, state, anchor, anchor_pos, keys, sampling)
+    outside = np.ones(TCFG.vocab_size, bool)
+    outside[ids] = False
+    assert np.isin(np.asarray(out.tokens), ids).all()
+    assert (np.asarray(out.probs)[..., outside] == 0).all()
+    np.testing.assert_allclose(np.asarray(out.probs).sum(-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits)[:, 0, ids], np.asarray(full_logits)[:, 0, ids], atol=1e-5, rtol=0)
+    train = np.asarray(_train(reduced, tparams, TCFG, dcfg_r, tokens, feats, 2))
+    assert np.isneginf(train[..., outside]).all() and np.isfinite(train[..., ids]).all()

@@ -34,11 +34,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.drafters import heads
+from dspark_jax.drafters import heads, vocab
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.layers import linear, rms_norm
-from dspark_jax.models.transformer import embed, lm_head_weight, mlp_residual, project_qkv, target_rope
+from dspark_jax.models.transformer import embed, mlp_residual, project_qkv, target_rope
 from dspark_jax.sampling import RowSampling, sample_with_probs
 
 
@@ -58,9 +58,9 @@ class DFlashState:
 def _check(tcfg: ModelConfig, dcfg: DrafterConfig) -> None:
     if not dcfg.target_layer_ids:
         raise DrafterConfigError("a DFlash/DSpark drafter needs target_layer_ids (the features it reads)")
-    if dcfg.draft_vocab_size is not None and not 0 < dcfg.draft_vocab_size <= tcfg.vocab_size:
-        raise DrafterConfigError(
-            f"draft_vocab_size must be in [1, {tcfg.vocab_size}], got {dcfg.draft_vocab_size}")
+    problem = vocab.check_size(dcfg.draft_vocab_size, tcfg.vocab_size)
+    if problem:
+        raise DrafterConfigError(problem)
 
 
 def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
@@ -91,8 +91,7 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
         params["head"] = heads.init_head(next(keys), tcfg, dcfg)
     if dcfg.confidence_head:
         params["confidence"] = heads.init_confidence(next(keys), tcfg, dcfg)
-    if dcfg.draft_vocab_size is not None:
-        params["draft_vocab"] = jnp.arange(dcfg.draft_vocab_size, dtype=jnp.int32)
+    params.update(vocab.init_table(dcfg.draft_vocab_size))
     return params
 
 
@@ -176,25 +175,6 @@ def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, 
     return rms_norm(h, params["final_norm"], tcfg.rms_norm_eps)
 
 
-def _vocab_logits(params: dict, target_params: dict, hidden: jax.Array) -> jax.Array:
-    """Hidden [..., e] -> float32 logits [..., N] over the draft vocabulary (N = V when not reduced).
-
-    With a reduced vocabulary only its N rows of the target's LM head are read (a row gather,
-    contiguous in the [V, e] layout), so the drafter's head costs N/V of the target's."""
-    w = lm_head_weight(target_params)  # [V, e]
-    if "draft_vocab" in params:
-        w = jnp.take(w, params["draft_vocab"], axis=0)  # [N, e]
-    return linear(hidden, w, out_dtype=jnp.float32)
-
-
-def _to_full_vocab(params: dict, tcfg: ModelConfig, logits: jax.Array) -> jax.Array:
-    """Scatter reduced logits [..., N] into [..., V] with -inf outside the draft vocabulary."""
-    if "draft_vocab" not in params:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (tcfg.vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., params["draft_vocab"]].set(logits)
-
-
 def _head_outputs(params, dcfg, h_k, prev, rnn_state):
     """Head bias [b, N] (0 without a head), confidence logit [b], new rnn state [b, r]."""
     hp = params.get("head")
@@ -242,7 +222,7 @@ def _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos):
 def draft_backbone(params, target_params, tcfg, dcfg, state, anchor, anchor_pos):
     """(hidden [b, G, e], base logits U [b, G, V] float32) of one draft block, without the head."""
     h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)
-    return h, _to_full_vocab(params, tcfg, _vocab_logits(params, target_params, h))
+    return h, vocab.to_full_vocab(params, tcfg.vocab_size, vocab.draft_logits(params, target_params, h))
 
 
 def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling: RowSampling,
@@ -256,14 +236,14 @@ def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sa
     G = dcfg.block_size
     b = anchor.shape[0]
     h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)  # [b, G, e]
-    base = _vocab_logits(params, target_params, h)  # [b, G, N]
+    base = vocab.draft_logits(params, target_params, h)  # [b, G, N]
     forced = jnp.zeros((b, G), jnp.int32) if forced_tokens is None else forced_tokens.astype(jnp.int32)
 
     def step(carry, xs):
         prev, rnn_state = carry
         u_k, h_k, k, forced_k = xs
         bias, conf, rnn_state = _head_outputs(params, dcfg, h_k, prev, rnn_state)
-        logits = _to_full_vocab(params, tcfg, u_k + bias)  # [b, V]
+        logits = vocab.to_full_vocab(params, tcfg.vocab_size, u_k + bias)  # [b, V]
         token, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, k), sampling)
         if forced_tokens is not None:
             token = forced_k
@@ -297,7 +277,7 @@ def train_forward(params, target_params, tcfg, dcfg, tokens, features, anchors):
     block_pos = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # [b, A, G]
     anchor_tokens = jnp.take_along_axis(tokens, jnp.clip(anchors, 0, T - 1), axis=1)  # [b, A]
     h = _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, anchor_tokens, block_pos)
-    base = _vocab_logits(params, target_params, h)  # [b, A, G, N]
+    base = vocab.draft_logits(params, target_params, h)  # [b, A, G, N]
     prev = jnp.take_along_axis(tokens, jnp.clip(block_pos, 0, T - 1).reshape(b, A * G), axis=1)
     prev = prev.reshape(b * A, G)  # teacher-forced previous tokens
     h_rows = h.reshape(b * A, G, -1)
@@ -321,8 +301,8 @@ def train_forward(params, target_params, tcfg, dcfg, tokens, features, anchors):
     else:
         logits = base
     return {
-        "base_logits": _to_full_vocab(params, tcfg, base),
-        "logits": _to_full_vocab(params, tcfg, logits),
+        "base_logits": vocab.to_full_vocab(params, tcfg.vocab_size, base),
+        "logits": vocab.to_full_vocab(params, tcfg.vocab_size, logits),
         "confidence_logits": conf.reshape(b, A, G),
         "hidden": h,
     }

@@ -25,6 +25,7 @@ Params:
       q_norm, k_norm [d]                (only if the target has qk_norm)
       mlp_norm [e]  w_gate, w_up [f, e]  w_down [e, f]
     final_norm   [e]
+    draft_vocab  [N] int32         only with dcfg.draft_vocab_size (drafters/vocab.py)
 The embedding and LM head are the target's (shared, frozen), read from `target_params`.
 """
 
@@ -36,10 +37,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.drafters import vocab
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.layers import linear, rms_norm
-from dspark_jax.models.transformer import attention_out, embed, logits_from_hidden, mlp_residual, project_qkv, target_rope
+from dspark_jax.models.transformer import attention_out, embed, mlp_residual, project_qkv, target_rope
 from dspark_jax.sampling import RowSampling, sample_with_probs
 
 STEP_DECAY = 0.8  # EAGLE-3's weight on the loss of unrolled step j: 0.8 ** j
@@ -55,18 +57,19 @@ class Eagle3State:
     pending: jax.Array  # [b, e] fc feature of the last committed position; its entry awaits the anchor
 
 
-def _check(dcfg: DrafterConfig) -> None:
+def _check(dcfg: DrafterConfig, tcfg: ModelConfig) -> None:
     if dcfg.kind != "eagle3":
         raise DrafterConfigError(f"eagle3 module got a drafter config of kind {dcfg.kind!r}")
     if not dcfg.target_layer_ids:
         raise DrafterConfigError("eagle3 needs target_layer_ids (EAGLE-3 uses 3: low, mid, high)")
-    if dcfg.draft_vocab_size is not None:
-        raise DrafterConfigError("eagle3 drafts over the full target vocabulary; set draft_vocab_size=None")
+    problem = vocab.check_size(dcfg.draft_vocab_size, tcfg.vocab_size)
+    if problem:
+        raise DrafterConfigError(problem)
 
 
 def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig, dtype=jnp.float32) -> dict:
     """Random drafter params (std 0.02 matrices, unit norms, zero biases, as HF initialises)."""
-    _check(dcfg)
+    _check(dcfg, tcfg)
     e, f, d = tcfg.hidden_size, tcfg.intermediate_size, tcfg.head_dim
     qd, kvd = tcfg.num_heads * d, tcfg.num_kv_heads * d
     m = len(dcfg.target_layer_ids)
@@ -85,7 +88,7 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig, dtype=jn
         layer.update(bq=jnp.zeros((qd,), dtype), bk=jnp.zeros((kvd,), dtype), bv=jnp.zeros((kvd,), dtype))
     if tcfg.qk_norm:
         layer.update(q_norm=ones(d), k_norm=ones(d))
-    return {"fc": mat((m * e, e)), "layer": layer, "final_norm": ones(e)}
+    return {"fc": mat((m * e, e)), "layer": layer, "final_norm": ones(e), **vocab.init_table(dcfg.draft_vocab_size)}
 
 
 def init_state(params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, batch: int, cache_len: int) -> Eagle3State:
@@ -165,7 +168,8 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
         mask = slots[None, None, :] <= pos[:, None, None]  # [b, 1, S]
         attn = attention_out(lp, q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask)  # [b, 1, e]
         g = mlp_residual(lp, tcfg, x[:, None] + attn)[:, 0]  # [b, e]
-        logits = logits_from_hidden(target_params, rms_norm(g, params["final_norm"], tcfg.rms_norm_eps))
+        hidden = rms_norm(g, params["final_norm"], tcfg.rms_norm_eps)
+        logits = vocab.to_full_vocab(params, tcfg.vocab_size, vocab.draft_logits(params, target_params, hidden))
         new_token, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, j), sampling)
         return (g, new_token, pos + 1, cache_k, cache_v), (new_token, probs, logits)
 
@@ -236,9 +240,10 @@ def train_hidden(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: Dra
 
 def train_forward(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig,
                   tokens: jax.Array, features: jax.Array, num_steps: int | None = None) -> jax.Array:
-    """Training-time-test logits [num_steps, b, T, V]: step j at position i predicts tokens[i+2+j]."""
+    """Training-time-test logits [num_steps, b, T, V]: step j at position i predicts tokens[i+2+j]
+    (-inf outside a reduced draft vocabulary)."""
     hidden = train_hidden(params, target_params, tcfg, dcfg, tokens, features, num_steps)
-    return logits_from_hidden(target_params, hidden)
+    return vocab.to_full_vocab(params, tcfg.vocab_size, vocab.draft_logits(params, target_params, hidden))
 
 
 def eagle3_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array, decay: float = STEP_DECAY) -> jax.Array:

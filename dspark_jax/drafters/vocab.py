@@ -1,0 +1,43 @@
+"""The reduced draft vocabulary shared by every drafter that has an LM head (DFlash / DSpark,
+EAGLE-3): the N most frequent target ids (params["draft_vocab"] [N] int32, chosen by the training
+data) get logits; every other id gets probability exactly zero.
+
+Logits are computed from the N matching rows of the target's own LM head ([V, e], so a row
+gather is contiguous), which makes a drafter's head cost N/V of the target's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.layers import linear
+from dspark_jax.models.transformer import lm_head_weight
+
+
+def draft_logits(params: dict, target_params: dict, hidden: jax.Array) -> jax.Array:
+    """Hidden [..., e] -> float32 logits [..., N] over the draft vocabulary (N = V when not reduced)."""
+    w = lm_head_weight(target_params)  # [V, e]
+    if "draft_vocab" in params:
+        w = jnp.take(w, params["draft_vocab"], axis=0)  # [N, e]
+    return linear(hidden, w, out_dtype=jnp.float32)
+
+
+def to_full_vocab(params: dict, vocab_size: int, logits: jax.Array) -> jax.Array:
+    """Scatter reduced logits [..., N] into [..., V] with -inf outside the draft vocabulary."""
+    if "draft_vocab" not in params:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[..., params["draft_vocab"]].set(logits)
+
+
+def check_size(size: int | None, vocab_size: int) -> str | None:
+    """The problem with a configured draft_vocab_size, or None when it is usable."""
+    if size is not None and not 0 < size <= vocab_size:
+        return f"draft_vocab_size must be in [1, {vocab_size}], got {size}"
+    return None
+
+
+def init_table(size: int | None) -> dict:
+    """{"draft_vocab": ids 0..N-1} as a placeholder until training picks the top-N ids, or {}."""
+    return {} if size is None else {"draft_vocab": jnp.arange(size, dtype=jnp.int32)}
