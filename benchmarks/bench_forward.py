@@ -14,7 +14,7 @@ On the default model (smollm2-135m) with a KV cache holding --context committed 
    measured with dspark_jax.profiling.round_cost_split on a real Engine state.
 
     .venv/bin/python benchmarks/bench_forward.py [--batches 1 8] [--widths 1 2 4 8 16]
-        [--context 512] [--max-len 1024] [--repeats 10] [--dtype float32|bfloat16]
+        [--context 200] [--max-len 1024] [--repeats 10] [--dtype float32|bfloat16]
         [--drafter-batches 1 8] [--block-size 7] [--quick] [--plain]
 
 --quick: batch 1, widths 1 and 8, one DSpark drafter, 3 repeats (a smoke run of every part).
@@ -332,7 +332,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="tokens per forward")
-    parser.add_argument("--context", type=int, default=512, help="committed tokens in the cache before the chunk")
+    parser.add_argument("--context", type=int, default=200, help="committed tokens in the cache before the chunk")
     parser.add_argument("--max-len", type=int, default=1024, help="KV-cache slots per row")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls after a warm-up; the best counts")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

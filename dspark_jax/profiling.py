@@ -40,22 +40,33 @@ def round_cost_split(engine, state: SlotState) -> dict[str, float]:
         keys = row_keys(st.seed_key, st.cache.lengths, KEY_DRAFT)
         return mod.draft(dp, p, s.config, s.dconfig, st.drafter, st.anchor, st.cache.lengths, keys, st.sampling)[0]
 
-    def target_part(p, st, block):
-        positions = st.cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-        hidden, _, feats = forward(p, s.config, block, positions, st.cache, s.feature_layers)
-        return logits_from_hidden(p, hidden), feats
+    span = engine._span_for(state, 1)
+
+    def target_part(p, cache, block):
+        # The cache is donated and fed back, as in the step (else XLA copies it every call).
+        positions = cache.lengths[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+        hidden, cache, feats = forward(p, s.config, block, positions, cache, s.feature_layers, kv_len=span)
+        return (logits_from_hidden(p, hidden), feats), cache
 
     def verify_part(draft, logits, st):
         lengths = jnp.full((b,), g, jnp.int32)
         keys = row_keys(st.seed_key, st.cache.lengths, KEY_VERIFY)
         return verify_rule(draft, logits, lengths, keys, st.sampling, s=s)
 
-    draft_fn, target_fn, verify_fn = jax.jit(draft_part), jax.jit(target_part), jax.jit(verify_part)
+    draft_fn, verify_fn = jax.jit(draft_part), jax.jit(verify_part)
+    target_fn = jax.jit(target_part, donate_argnums=1)
     draft = draft_fn(params, dparams, state)
     block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)
-    logits = target_fn(params, state, block)[0]
+    cache = jax.tree.map(jnp.copy, state.cache)  # our own copy to donate
+    (logits, _), cache = target_fn(params, cache, block)
+    target_best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        out, cache = target_fn(params, cache, block)
+        jax.block_until_ready(out)
+        target_best = min(target_best, time.perf_counter() - start)
     return {
         "drafter_seconds_per_round": _best_seconds(draft_fn, params, dparams, state),
-        "target_seconds_per_round": _best_seconds(target_fn, params, state, block),
+        "target_seconds_per_round": target_best,
         "verify_seconds_per_round": _best_seconds(verify_fn, draft, logits, state),
     }
