@@ -79,7 +79,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_majo
     return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, d)
 
 
-# Token counts from 2 up to this run as (weight x activations^T) on XLA:CPU (see `linear`).
+# Token counts up to this run as (weight x activations^T) on XLA:CPU (see `linear`).
 _CPU_SKINNY_TOKENS = 32
 
 
@@ -101,9 +101,13 @@ def linear(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
         return lax.dot_general(x2, w, contract, preferred_element_type=out_dtype)
 
     def cpu(x2, w):
-        if not 1 < x2.shape[0] <= _CPU_SKINNY_TOKENS:  # one token: the plain product is XLA's fast GEMV
+        n = x2.shape[0]
+        if n > _CPU_SKINNY_TOKENS:
             return plain(x2, w)
-        return lax.optimization_barrier(lax.dot_general(w, x2, contract, preferred_element_type=out_dtype)).T
+        if n == 1:  # XLA:CPU sends a one-row product to a slow generic kernel; two rows reach the fast one
+            x2 = jnp.concatenate([x2, jnp.zeros_like(x2)], axis=0)
+        y = lax.optimization_barrier(lax.dot_general(w, x2, contract, preferred_element_type=out_dtype)).T
+        return y[:n]
 
     y = lax.platform_dependent(x2, w, cpu=cpu, default=plain)
     return y.reshape(*lead, w.shape[0])
