@@ -69,7 +69,7 @@ def test_golden_table_shows_the_divisibility_decisions():
         row = serve[f"layers.*.{name}"]
         assert row["spec"] == [None, None] and "replicated" in row["replicated_dims"][0]
     train = tables["target, stacked layout, TRAIN_RULES, fsdp=4"]
-    assert train["layers.wq"]["spec"] == [None, "fsdp", "tensor"]
+    assert train["layers.wq"]["spec"] == [None, "tensor", "fsdp"]  # stacked [L, out, in]
     assert train["embed"]["spec"] == ["tensor", "fsdp"]
     cache = tables["KV cache [8 slots, 256], SERVE_RULES, data=2 x tensor=4"]
     assert cache["k.*"]["spec"] == ["data", None, None, None] and cache["lengths"]["spec"] == ["data"]
