@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import math
 import os
 import shlex
@@ -117,13 +116,6 @@ def pick_kv_len(context: int, width: int, max_len: int) -> int:
     return min(need, max_len)
 
 
-def forward_takes_kv_len() -> bool:
-    """Whether models.transformer.forward accepts `kv_len` (attend only over slots [0, kv_len))."""
-    from dspark_jax.models.transformer import forward
-
-    return "kv_len" in inspect.signature(forward).parameters
-
-
 # ---------------------------------------------------------------------------------------- part 1
 def forward_fns(config, kv_len: int | None):
     """Jitted (layers, lm_head, total) for one kv_len; the cache (last argument) is donated.
@@ -161,7 +153,7 @@ def filled_cache(config, batch: int, max_len: int, context: int, dtype):
     return dataclasses.replace(cache, lengths=jnp.full((batch,), context, jnp.int32))
 
 
-def time_forward(target, batch: int, widths, args, kv_supported: bool) -> list[dict]:
+def time_forward(target, batch: int, widths, args) -> list[dict]:
     """Part 1 at one batch size: a row per width with layers / LM head / total ms and kv_len."""
     import jax
     import jax.numpy as jnp
@@ -170,7 +162,7 @@ def time_forward(target, batch: int, widths, args, kv_supported: bool) -> list[d
     cache = filled_cache(config, batch, args.max_len, args.context, params["embed"].dtype)
     rows = []
     for width in widths:
-        kv_len = pick_kv_len(args.context, width, args.max_len) if kv_supported else None
+        kv_len = pick_kv_len(args.context, width, args.max_len)
         layers, lm_head, total = forward_fns(config, kv_len)
         key = jax.random.PRNGKey(batch * 1000 + width)
         tokens = jax.random.randint(key, (batch, width), 0, config.vocab_size, jnp.int32)  # [b, w]
@@ -355,14 +347,11 @@ def main() -> None:
 
     target = load_target("smollm2-135m", dtype=args.dtype)
     print(header_line(target, args), flush=True)
-    kv_supported = forward_takes_kv_len()
-    print("forward(kv_len=...): " + ("supported; kv_len = smallest power of two >= context + width, in [128, max_len]"
-                                     if kv_supported else f"not supported; attention spans all {args.max_len} slots"),
-          flush=True)
+    print("kv_len = smallest power of two >= context + width, in [128, max_len]", flush=True)
 
     forward_rows = []
     for batch in args.batches:
-        forward_rows += time_forward(target, batch, args.widths, args, kv_supported)
+        forward_rows += time_forward(target, batch, args.widths, args)
 
     nbytes = param_bytes(target.params)
     gbps, gemv_ms = measure_bandwidth(nbytes, args.repeats)
