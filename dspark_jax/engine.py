@@ -26,6 +26,7 @@ import numpy as np
 
 from dspark_jax import decode
 from dspark_jax.decode import DecodeSettings, Requests, SlotState
+from dspark_jax.drafters import vocab
 from dspark_jax.prompts import PromptError
 from dspark_jax.sampling import RowSampling, SamplingParams
 
@@ -109,7 +110,8 @@ class Engine:
         # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
         self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         self._params = target.params
-        self._dparams = None if drafter is None else drafter.params
+        # The draft vocabulary's LM-head rows are gathered once here, not in every round.
+        self._dparams = None if drafter is None else vocab.bind_head(drafter.params, target.params)
         self._state_shardings = None
         if self.mesh is not None:
             self._place_on_mesh(rules)
@@ -148,7 +150,10 @@ class Engine:
         """Cache positions a request needs beyond prompt + budget (a round verifies G+1 tokens)."""
         return 0 if self.settings.dconfig is None else self.block_size + 1
 
-    def _weights(self):
+    @property
+    def weights(self):
+        """(target params, drafter params) as the compiled programs read them (placed on the mesh,
+        the draft-vocabulary head bound)."""
         return self._params, self._dparams
 
     # ------------------------------------------------------------------ compiled programs
@@ -161,7 +166,7 @@ class Engine:
         key = (name, shapes)
         if key not in self._programs:
             start = time.perf_counter()
-            weights = self._weights()
+            weights = self.weights
             options = {}
             if self.mesh is not None:
                 from jax.sharding import NamedSharding, PartitionSpec
@@ -178,10 +183,10 @@ class Engine:
         return self._programs[key]
 
     def _state_shape(self):
-        return jax.eval_shape(functools.partial(decode.new_state, s=self.settings), *self._weights())
+        return jax.eval_shape(functools.partial(decode.new_state, s=self.settings), *self.weights)
 
     def _run(self, name: str, fn: Callable, args: tuple, donate: tuple[int, ...] = ()):
-        return self._program(name, fn, args, donate)(*self._weights(), *args)
+        return self._program(name, fn, args, donate)(*self.weights, *args)
 
     def new_state(self) -> SlotState:
         """Every slot free; buffers allocated on the device."""
@@ -195,7 +200,7 @@ class Engine:
         s = dataclasses.replace(self.settings, kv_len=span)
         return lambda p, dp, state: decode.step(p, dp, state, rounds=rounds, s=s)
 
-    def _span_for(self, state: SlotState, rounds: int) -> int:
+    def span_for(self, state: SlotState, rounds: int) -> int:
         """The smallest attention span holding every live row through `rounds` more rounds (a
         round adds at most G+1 positions). Reads the rows' lengths: a few bytes, between steps."""
         lengths, live = jax.device_get((state.cache.lengths, state.occupied & ~state.done))
@@ -294,7 +299,7 @@ class Engine:
         the committed tokens to the host once."""
         if not isinstance(rounds, (int, np.integer)) or rounds < 1:
             raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
-        span = self._span_for(state, int(rounds))
+        span = self.span_for(state, int(rounds))
         state, tokens, counts, ran = self._run(f"step{int(rounds)}@{span}", self._step_fn(int(rounds), span),
                                                (state,), (0,))
         tokens, counts, occupied, done, reason, drafted, accepted, ran = jax.device_get(

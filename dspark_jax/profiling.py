@@ -32,7 +32,7 @@ def round_cost_split(engine, state: SlotState) -> dict[str, float]:
     rule, for the requests now in `state` (every slot treated as live, full block verified)."""
     s = engine.settings
     mod = drafter_module(s)
-    params, dparams = engine.target.params, engine.drafter.params
+    params, dparams = engine.weights
     g = s.block_size
     b = s.slots
 
@@ -40,7 +40,7 @@ def round_cost_split(engine, state: SlotState) -> dict[str, float]:
         keys = row_keys(st.seed_key, st.cache.lengths, KEY_DRAFT)
         return mod.draft(dp, p, s.config, s.dconfig, st.drafter, st.anchor, st.cache.lengths, keys, st.sampling)[0]
 
-    span = engine._span_for(state, 1)
+    span = engine.span_for(state, 1)
 
     def target_part(p, cache, block):
         # The cache is donated and fed back, as in the step (else XLA copies it every call).

@@ -235,9 +235,9 @@ def confidence_axes() -> dict[str, tuple]:
 
 def dflash_param_axes(params: Mapping, tcfg: ModelConfig | None) -> dict:
     """drafters/dflash.py: w_c [m*e, e], ctx_norm [e], layers stacked like the target's,
-    final_norm [e], mask_embed [e], head, confidence, draft_vocab [N]."""
+    final_norm [e], mask_embed [e], head, confidence, draft_vocab [N], draft_head [N, e] (when bound)."""
     top = {"w_c": ("features", "embed"), "ctx_norm": ("norm",), "final_norm": ("norm",), "mask_embed": ("embed",),
-           "draft_vocab": ("draft_vocab",)}
+           "draft_vocab": ("draft_vocab",), "draft_head": ("vocab", "embed")}
     out = {}
     for key, value in params.items():
         if key == "layers":
@@ -257,7 +257,8 @@ def eagle3_param_axes(params: Mapping, tcfg: ModelConfig | None) -> dict:
     for name in ("wq", "wk", "wv"):
         layer[name] = layer[name][:-1] + ("features",)
     layer.update(embed_norm=("norm",), hidden_norm=("norm",))
-    top = {"fc": ("features", "embed"), "final_norm": ("norm",), "draft_vocab": ("draft_vocab",)}
+    top = {"fc": ("features", "embed"), "final_norm": ("norm",), "draft_vocab": ("draft_vocab",),
+           "draft_head": ("vocab", "embed")}
     out = {}
     for key, value in params.items():
         if key == "layer":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import random_target_params
-from dspark_jax.drafters import eagle3
+from dspark_jax.drafters import eagle3, vocab
 from dspark_jax.drafters.config import DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import forward
@@ -220,5 +220,11 @@ def test_reduced_draft_vocabulary(setup):
     assert (np.asarray(out.probs)[..., outside] == 0).all()
     np.testing.assert_allclose(np.asarray(out.probs).sum(-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits)[:, 0, ids], np.asarray(full_logits)[:, 0, ids], atol=1e-5, rtol=0)
+    # The engine's bound head (rows gathered once) drafts the same tokens with the same logits.
+    bound = vocab.bind_head(reduced, tparams)
+    assert bound["draft_head"].shape == (n, TCFG.hidden_size)
+    out_b, logits_b, _ = _draft(bound, tparams, TCFG, dcfg_r, state, anchor, anchor_pos, keys, sampling)
+    np.testing.assert_array_equal(np.asarray(out_b.tokens), np.asarray(out.tokens))
+    np.testing.assert_array_equal(np.asarray(logits_b), np.asarray(logits))
     train = np.asarray(_train(reduced, tparams, TCFG, dcfg_r, tokens, feats, 2))
     assert np.isneginf(train[..., outside]).all() and np.isfinite(train[..., ids]).all()
