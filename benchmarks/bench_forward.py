@@ -390,7 +390,8 @@ def main() -> None:
     notes = drafter_table(results, forward_rows, args.plain, args.block_size)
     prompt_lens = sorted({s["prompt_len"] for _, _, s in results if "prompt_len" in s})
     print(f"   one prompt of {', '.join(map(str, prompt_lens))} tokens per slot; verify fwd = the target's "
-          f"forward over the block as round_cost_split times it (its cache is not donated)")
+          f"forward over the block as round_cost_split times it (cache donated; it also returns"
+          f" the drafter's feature layers, so it can exceed part 1's total)")
     for note in notes:
         print(f"   note: {note}")
     print(f"\ncommand: {shlex.join(getattr(sys, 'orig_argv', [sys.executable, *sys.argv]))}")

@@ -27,21 +27,37 @@ def _weighted_mean(term: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.sum(term * weight) / jnp.maximum(jnp.sum(weight), 1e-9)
 
 
-def _cross_entropy(logq: jax.Array, target_token_ids: jax.Array):
-    """-log q[target] [b, A, G] (0 where the target is outside the draft vocabulary) and its validity."""
-    picked = jnp.take_along_axis(logq, target_token_ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    in_vocab = jnp.isfinite(picked)
+def draft_index(draft_vocab: jax.Array, vocab_size: int) -> jax.Array:
+    """[V] int32: each target id's index in the draft vocabulary, -1 outside it."""
+    n = draft_vocab.shape[0]
+    return jnp.full((vocab_size,), -1, jnp.int32).at[draft_vocab].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def _cross_entropy(logq: jax.Array, target_index: jax.Array):
+    """-log q[target] (0 where the target is outside the draft vocabulary: index -1 or -inf logit)
+    and its validity."""
+    picked = jnp.take_along_axis(logq, jnp.maximum(target_index, 0)[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    in_vocab = (target_index >= 0) & jnp.isfinite(picked)
     return jnp.where(in_vocab, -picked, 0.0), in_vocab
 
 
-def _log_q(outputs: dict, temperature: float) -> jax.Array:
+def _log_q(logits: jax.Array, temperature: float) -> jax.Array:
     if temperature <= 0:
         raise ValueError(f"training temperature must be > 0, got {temperature}")
-    return jax.nn.log_softmax(outputs["logits"].astype(jnp.float32) / temperature, axis=-1)
+    return jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+
+
+def _draft_space(outputs: dict, target_token_ids: jax.Array, draft_vocab: jax.Array | None, vocab_size: int | None):
+    """(logits, target indices) in the space the loss runs in: the full vocabulary (outputs["logits"],
+    -inf outside a reduced vocabulary) or, given `draft_vocab`, the N draft ids only
+    (outputs["draft_logits"]), which keeps [.., V] arrays out of the backward pass."""
+    if draft_vocab is None:
+        return outputs["logits"], target_token_ids
+    return outputs["draft_logits"], draft_index(draft_vocab, vocab_size)[target_token_ids]
 
 
 def dspark_loss(outputs: dict, target_token_ids: jax.Array, target_probs: jax.Array, mask: jax.Array,
-                temperature: float = 1.0):
+                temperature: float = 1.0, draft_vocab: jax.Array | None = None):
     """L = 0.1 CE + 0.9 TV + 1.0 BCE over a train_forward output.
 
     target_token_ids [b, A, G] ground-truth next tokens; target_probs [b, A, G, V] the target's
@@ -49,13 +65,22 @@ def dspark_loss(outputs: dict, target_token_ids: jax.Array, target_probs: jax.Ar
     q_k = softmax(logits / temperature); TV term ||q_k - p_k||_1; the confidence head is fit to
     the soft label c*_k = clip(1 - 0.5 ||q_k - p_k||_1, 0, 1) (the acceptance probability of
     q_k against p_k), detached so BCE does not pull the draft distribution.
+    With `draft_vocab` [N] the loss runs over outputs["draft_logits"] [b, A, G, N]: q is zero
+    outside the draft ids, so ||q - p||_1 = sum over the draft ids of |q - p| + p's mass outside
+    them, exactly, without [.., V] arrays in the backward pass.
     Returns (loss scalar, metrics dict of the unweighted-by-coefficient terms).
     """
-    logq = _log_q(outputs, temperature)  # [b, A, G, V]
+    logits, target_index = _draft_space(outputs, target_token_ids, draft_vocab, target_probs.shape[-1])
+    logq = _log_q(logits, temperature)  # [b, A, G, N]
     q = jnp.exp(logq)
     weight = mask.astype(jnp.float32) * position_weights(mask.shape[-1])  # [b, A, G]
-    ce, in_vocab = _cross_entropy(logq, target_token_ids)
-    l1 = jnp.sum(jnp.abs(q - target_probs.astype(jnp.float32)), axis=-1)  # [b, A, G]
+    ce, in_vocab = _cross_entropy(logq, target_index)
+    p = target_probs.astype(jnp.float32)
+    outside = jnp.zeros(mask.shape, jnp.float32)
+    if draft_vocab is not None:
+        p = jnp.take(p, draft_vocab, axis=-1)  # [b, A, G, N]
+        outside = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)  # the target's mass the drafter cannot emit
+    l1 = jnp.sum(jnp.abs(q - p), axis=-1) + outside  # [b, A, G]
     c_star = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
     z = outputs["confidence_logits"].astype(jnp.float32)
     bce = jax.nn.softplus(z) - c_star * z  # -[c* log sigmoid(z) + (1 - c*) log(1 - sigmoid(z))]
@@ -63,19 +88,22 @@ def dspark_loss(outputs: dict, target_token_ids: jax.Array, target_probs: jax.Ar
     tv_m = _weighted_mean(l1, weight)
     bce_m = _weighted_mean(bce, weight)
     loss = CE_WEIGHT * ce_m + TV_WEIGHT * tv_m + BCE_WEIGHT * bce_m
-    top1 = _weighted_mean((jnp.argmax(logq, -1) == target_token_ids).astype(jnp.float32), weight)
+    top1 = _weighted_mean((jnp.argmax(logq, -1) == target_index).astype(jnp.float32), weight)
     return loss, {"ce": ce_m, "tv": tv_m, "bce": bce_m, "accept_est": _weighted_mean(c_star, weight),
                   "top1": top1}
 
 
-def dflash_loss(outputs: dict, target_token_ids: jax.Array, mask: jax.Array, temperature: float = 1.0):
-    """Plain DFlash objective: position-weighted CE of softmax(logits / temperature) only.
+def dflash_loss(outputs: dict, target_token_ids: jax.Array, mask: jax.Array, temperature: float = 1.0,
+                draft_vocab: jax.Array | None = None, vocab_size: int | None = None):
+    """Plain DFlash objective: position-weighted CE of softmax(logits / temperature) only (over
+    outputs["draft_logits"] when `draft_vocab` is given, which then needs `vocab_size`).
 
     Returns (loss scalar, metrics dict).
     """
-    logq = _log_q(outputs, temperature)
+    logits, target_index = _draft_space(outputs, target_token_ids, draft_vocab, vocab_size)
+    logq = _log_q(logits, temperature)
     weight = mask.astype(jnp.float32) * position_weights(mask.shape[-1])
-    ce, in_vocab = _cross_entropy(logq, target_token_ids)
+    ce, in_vocab = _cross_entropy(logq, target_index)
     ce_m = _weighted_mean(ce, weight * in_vocab)
-    top1 = _weighted_mean((jnp.argmax(logq, -1) == target_token_ids).astype(jnp.float32), weight)
+    top1 = _weighted_mean((jnp.argmax(logq, -1) == target_index).astype(jnp.float32), weight)
     return ce_m, {"ce": ce_m, "top1": top1}

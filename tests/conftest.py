@@ -93,3 +93,37 @@ def random_target_params(key, cfg):
             out.append(noise / np.sqrt(leaf.shape[-1]))
     return jax.tree_util.tree_unflatten(tree, out)
 
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's vocabulary, tokenizer and chat template (the
+    training programs' end-to-end tests need text prompts but not a real model's cost)."""
+    from dspark_jax.models.loading import converted_gguf, resolve_model_path
+    from dspark_jax.models.tokenizer import save_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny_chat"))
+    make_tiny_hf_model(path, "llama", True, vocab_size=49152, max_position_embeddings=1024,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    save_tokenizer(converted_gguf(resolve_model_path("smollm2-135m"))[2], path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_train_data(tiny_chat_dir, tmp_path_factory):
+    """train.data + train.features output for the tiny chat target: 12 short self-distilled
+    conversations and the features of its layers 0 and 1 (what the trainer tests read)."""
+    import json
+
+    from train import data, features
+
+    folder = tmp_path_factory.mktemp("tiny_train_data")
+    records = [{"id": f"t{i}_0", "conversations": [{"from": "human", "value": f"Tell me fact number {i}."}]}
+               for i in range(12)]
+    sharegpt = folder / "sharegpt.json"
+    sharegpt.write_text(json.dumps(records))
+    out = str(folder / "data")
+    data.run(data.DataConfig(out=out, model=tiny_chat_dir, sharegpt=str(sharegpt), conversations=12, shard_size=8,
+                             val_fraction=0.25, max_prompt_tokens=64, max_new_tokens=24, slots=8, rounds_per_step=8,
+                             vocab_sizes=(64,)))
+    features.run(features.FeaturesConfig(data=out, layers=(0, 1)))
+    return out

@@ -1,7 +1,7 @@
 """Typed drafter configuration and the interface every drafter implements.
 
 Every drafter kind is a module with these pure functions (dcfg / tcfg static, everything else
-pytrees); the speculative loop in `dspark_jax.spec_decode` only calls these:
+pytrees); the engine's step (`dspark_jax.decode`) only calls these:
 
     init_params(key, tcfg, dcfg) -> params
         Trainable drafter params. The target's embedding and LM head are NOT copied in: they are

@@ -266,7 +266,9 @@ def train_forward(params, target_params, tcfg, dcfg, tokens, features, anchors):
     [tokens[anchor], .., tokens[anchor+G-1]]. Positions past T-1 give garbage (indices are
     clipped) that the caller masks.
     Returns {"base_logits" [b, A, G, V], "logits" [b, A, G, V] (base + head bias; -inf outside a
-    reduced draft vocabulary), "confidence_logits" [b, A, G], "hidden" [b, A, G, e]}.
+    reduced draft vocabulary), "draft_logits" [b, A, G, N] (the same over the draft ids only; a
+    caller that uses only these never materialises the [.., V] ones under jit),
+    "confidence_logits" [b, A, G], "hidden" [b, A, G, e]}.
     """
     b, T = tokens.shape
     A, G = anchors.shape[1], dcfg.block_size
@@ -303,6 +305,7 @@ def train_forward(params, target_params, tcfg, dcfg, tokens, features, anchors):
     return {
         "base_logits": vocab.to_full_vocab(params, tcfg.vocab_size, base),
         "logits": vocab.to_full_vocab(params, tcfg.vocab_size, logits),
+        "draft_logits": logits,
         "confidence_logits": conf.reshape(b, A, G),
         "hidden": h,
     }

