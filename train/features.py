@@ -1,0 +1,147 @@
+"""Target features for drafter training, computed once per data shard and cached on disk.
+
+    python -m train.features --data data/smollm2-135m --layers 1 8 14 20 27
+
+For every token of every sequence: the outputs of the chosen target layers (what DFlash / DSpark
+and EAGLE-3 read) and the target's final normed hidden state (the teacher: its LM-head logits
+are the target's next-token distribution), as bfloat16, `[tokens, m + 1, e]` per shard.
+
+Why cached rather than computed in the training step: the frozen target's forward is about
+2 x 135M FLOPs per token, several times a drafter step's cost per token here, and a cached
+feature is read once per epoch for a few kilobytes; the teacher's distribution is recomputed
+in the step from the cached hidden state by the LM head, so TV sees the exact full-vocabulary
+distribution (the mass outside the draft vocabulary included) without storing [T, V] arrays.
+`benchmarks/bench_train.py` measures both costs per token.
+
+Resumable like train.data: a shard whose feature file exists is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from train import data as data_lib
+
+
+@dataclasses.dataclass
+class FeaturesConfig:
+    data: str = "data/smollm2-135m"
+    """A folder made by train.data."""
+    layers: tuple[int, ...] = (1, 8, 14, 20, 27)
+    """Target layer ids to store (the union of what the drafters read; -1 = embedding output)."""
+    model: str | None = None
+    """Default: the model the data was generated with (meta.json)."""
+    batch_tokens: int = 4096
+    """Tokens per forward (rows of one length bucket are batched up to this)."""
+
+
+def features_dir(data: str, layers: Sequence[int]) -> str:
+    return os.path.join(data, "features", "L" + "_".join(str(l) for l in layers))
+
+
+def feature_path(data: str, layers: Sequence[int], split: str, shard: str) -> str:
+    return os.path.join(features_dir(data, layers), split, os.path.basename(shard).replace(".npz", ".npy"))
+
+
+def to_bf16_bits(x) -> np.ndarray:
+    """A float array as bfloat16 bit patterns (uint16): numpy's .npy has no bfloat16 type."""
+    import jax.numpy as jnp
+
+    return np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return np.asarray(bits).view(ml_dtypes.bfloat16)
+
+
+def length_bucket(n: int) -> int:
+    from dspark_jax.prompts import bucket
+
+    return bucket(n, minimum=64)
+
+
+def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens: int) -> np.ndarray:
+    """[sum of row lengths, m + 1, e] bf16 bits: the layers' outputs and the final hidden state of
+    every token, rows in order. Rows are batched by length bucket (padding goes at the end, where
+    causal attention keeps it from the real tokens)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.engine import pow2
+    from dspark_jax.models.transformer import forward
+
+    cfg, params = target.config, target.params
+
+    @jax.jit
+    def run(params, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        hidden, _, feats = forward(params, cfg, tokens, positions, None, tuple(layers))
+        return jnp.concatenate([feats, hidden[:, :, None, :]], axis=2).astype(jnp.bfloat16)  # [b, T, m+1, e]
+
+    out: list = [None] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))
+    start = 0
+    while start < len(order):
+        length = length_bucket(len(rows[order[start]]["tokens"]))
+        count = max(1, batch_tokens // length)
+        group = [i for i in order[start:start + count] if len(rows[i]["tokens"]) <= length]
+        start += len(group)
+        tokens = np.zeros((pow2(len(group)), length), np.int32)  # rows bucketed to a power of two
+        for j, i in enumerate(group):
+            tokens[j, :len(rows[i]["tokens"])] = rows[i]["tokens"]
+        feats = np.asarray(run(params, tokens)).view(np.uint16)
+        for j, i in enumerate(group):
+            out[i] = feats[j, :len(rows[i]["tokens"])]
+    return np.concatenate(out, axis=0)
+
+
+def run(cfg: FeaturesConfig) -> dict:
+    from tqdm import tqdm
+
+    from dspark_jax import load_target
+
+    meta_path = os.path.join(cfg.data, data_lib.META)
+    if not os.path.isfile(meta_path):
+        raise SystemExit(f"{cfg.data}: no meta.json (make the data first: python -m train.data --out {cfg.data})")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    target = load_target(cfg.model or meta["generation"]["model"])
+    bad = [l for l in cfg.layers if not -1 <= l < target.config.num_layers]
+    if bad or list(cfg.layers) != sorted(set(cfg.layers)):
+        raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")
+    todo = [(split, shard) for split in data_lib.SPLITS for shard in data_lib.shard_paths(cfg.data, split)
+            if not os.path.isfile(feature_path(cfg.data, cfg.layers, split, shard))]
+    import time
+
+    start, tokens = time.perf_counter(), 0
+    for split, shard in tqdm(todo, desc="target features", unit="shard"):
+        rows = data_lib.read_shard(shard)
+        feats = shard_features(target, rows, cfg.layers, cfg.batch_tokens)
+        path = feature_path(cfg.data, cfg.layers, split, shard)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        np.save(path + ".tmp.npy", feats)
+        os.replace(path + ".tmp.npy", path)
+        tokens += feats.shape[0]
+    seconds = time.perf_counter() - start
+    summary = {"layers": list(cfg.layers), "shards_done": len(todo), "tokens": tokens, "seconds": seconds,
+               "tokens_per_second": tokens / seconds if seconds > 0 and tokens else None}
+    with open(os.path.join(features_dir(cfg.data, cfg.layers), "features.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import tyro
+
+    print(json.dumps(run(tyro.cli(FeaturesConfig, args=argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""One trainer for the DSpark, DFlash and EAGLE-3 drafters.
+
+    python -m train.fit --config train/configs/dspark.py [--steps 2000 --mesh data=1,fsdp=4 ...]
+
+A config file defines `config = FitConfig(...)`; command-line flags (tyro) override its fields.
+The run folder (`out`) holds orbax checkpoints (periodic, keep-N), `log.jsonl` (every loss term,
+the estimated acceptance per position, the learning rate), `curves.png`, and at the end the
+drafter in the library's checkpoint format (`out/drafter`, loadable with load_drafter).
+
+Started again with the same command, a run resumes from its latest checkpoint to exactly the
+parameters an uninterrupted run reaches: the state holds params, optimizer state and step; the
+data position and the step's random key are functions of (seed, step) (train/loader.py).
+
+Sharding: `--mesh data=N,fsdp=M` places the batch over (data, fsdp) and the drafter params and
+optimizer state by sharding.TRAIN_RULES (embed dims over fsdp). On a pod slice, the same command
+runs after `jax.distributed.initialize()` (`--distributed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+KINDS = ("dspark", "dflash", "eagle3")
+
+
+@dataclasses.dataclass
+class FitConfig:
+    drafter: str = "dspark"
+    """dspark | dflash | eagle3."""
+    data: str = "data/smollm2-135m"
+    out: str = "runs/dspark"
+    model: str | None = None
+    """Default: the model the data was generated with."""
+    feature_layers: tuple[int, ...] = (1, 8, 14, 20, 27)
+    """The layers cached by train.features; the drafter reads a subset."""
+    draft_vocab_size: int | None = 8192
+    num_layers: int | None = None
+    head_type: str | None = None
+    head_rank: int | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    block_size: int = 7
+    seq_len: int = 512
+    batch_size: int = 8
+    """Sequences per step (global, over every device)."""
+    anchors: int = 32
+    """Blocks per sequence (DSpark / DFlash), at random supervised positions."""
+    eagle_steps: int = 7
+    """EAGLE-3 training-time-test unroll length."""
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    temperature: float = 1.0
+    """Temperature of the teacher and draft distributions in the DSpark loss."""
+    seed: int = 0
+    save_every: int = 100
+    keep: int = 3
+    log_every: int = 10
+    mesh: str = "data=1"
+    distributed: bool = False
+    stop_after: int | None = None
+    """Run at most this many steps in this invocation (resume later with the same command)."""
+    export_dtype: str = "bfloat16"
+
+
+# ------------------------------------------------------------------------------------ config
+def load_config(argv: Sequence[str]) -> FitConfig:
+    """`--config FILE` (a Python file defining `config`) as defaults, then tyro flags on top."""
+    import tyro
+
+    argv = list(argv)
+    base = FitConfig()
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise SystemExit("--config needs a file")
+        path = argv[i + 1]
+        del argv[i:i + 2]
+        if not os.path.isfile(path):
+            raise SystemExit(f"{path}: no such config file")
+        spec = importlib.util.spec_from_file_location("fit_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        base = getattr(module, "config", None)
+        if not isinstance(base, FitConfig):
+            raise SystemExit(f"{path}: must define `config = FitConfig(...)`")
+    return tyro.cli(FitConfig, default=base, args=argv)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """"data=2,fsdp=4" -> {"data": 2, "fsdp": 4} (tensor too); clear errors otherwise."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.partition("=")
+        if name not in ("data", "fsdp", "tensor") or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--mesh: expected name=size with names data, fsdp, tensor; got {part!r}")
+        out[name] = int(value)
+    return out
+
+
+def check_config(cfg: FitConfig) -> None:
+    if cfg.drafter not in KINDS:
+        raise SystemExit(f"--drafter must be one of {', '.join(KINDS)}, got {cfg.drafter!r}")
+    for name in ("steps", "batch_size", "seq_len", "anchors", "block_size", "eagle_steps", "save_every", "keep",
+                 "log_every"):
+        if getattr(cfg, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if not cfg.lr > 0 or cfg.temperature <= 0:
+        raise SystemExit("--lr and --temperature must be > 0")
+
+
+def drafter_config(cfg: FitConfig, tcfg):
+    from dspark_jax.drafters.config import default_config
+
+    overrides = dict(block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab_size)
+    for name in ("num_layers", "head_type", "head_rank", "target_layer_ids"):
+        if getattr(cfg, name) is not None:
+            overrides[name] = getattr(cfg, name)
+    dcfg = default_config(cfg.drafter, tcfg.num_layers, **overrides)
+    missing = [l for l in dcfg.target_layer_ids if l not in cfg.feature_layers]
+    if missing:
+        raise SystemExit(f"the {cfg.drafter} drafter reads target layers {list(dcfg.target_layer_ids)}; "
+                         f"{missing} are not among --feature-layers {list(cfg.feature_layers)}")
+    return dcfg
+
+
+# -------------------------------------------------------------------------------- the step
+def sample_anchors(key, mask, count: int):
+    """[b, A] anchor positions, distinct, uniformly among positions whose next token is supervised,
+    and [b, A] validity (a sequence with fewer than A such positions gets invalid extras)."""
+    import jax
+    import jax.numpy as jnp
+
+    eligible = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)  # [b, T]
+    scores = jnp.where(eligible, jax.random.gumbel(key, mask.shape), -jnp.inf)
+    top, anchors = jax.lax.top_k(scores, count)
+    return anchors.astype(jnp.int32), jnp.isfinite(top)
+
+
+def block_targets(tokens, mask, anchors, valid, block_size: int):
+    """Targets [b, A, G] (tokens anchor+1 .. anchor+G), their supervision mask, and the positions
+    anchor .. anchor+G-1 whose target distribution predicts them."""
+    import jax.numpy as jnp
+
+    b, T = tokens.shape
+    src = anchors[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)  # [b, A, G]
+    tgt = src + 1
+    flat = jnp.clip(tgt, 0, T - 1).reshape(b, -1)
+    targets = jnp.take_along_axis(tokens, flat, axis=1).reshape(tgt.shape)
+    supervised = jnp.take_along_axis(mask, flat, axis=1).reshape(tgt.shape) & (tgt < T) & valid[:, :, None]
+    return targets, supervised, src
+
+
+def per_position(values, weight):
+    """Weighted mean over everything but the last axis -> [G]."""
+    import jax.numpy as jnp
+
+    axes = tuple(range(values.ndim - 1))
+    return jnp.sum(values * weight, axis=axes) / jnp.maximum(jnp.sum(weight, axis=axes), 1e-9)
+
+
+def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig, feature_pick):
+    """loss(trainable, frozen, target_params, batch, key) -> (loss, metrics)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.drafters import dflash, eagle3
+    from dspark_jax.losses import dflash_loss, dspark_loss
+    from dspark_jax.models.layers import linear
+    from dspark_jax.models.transformer import lm_head_weight
+
+    def loss_fn(trainable, frozen, target_params, batch, key):
+        params = {**trainable, **frozen}
+        draft_vocab = params.get("draft_vocab")
+        tokens, mask = batch["tokens"], batch["mask"]
+        feats = batch["features"][:, :, feature_pick].astype(jnp.float32)  # [b, T, m, e]
+        if kind == "eagle3":
+            logits = eagle3.train_draft_logits(params, target_params, tcfg, dcfg, tokens, feats, cfg.eagle_steps)
+            loss = eagle3.eagle3_loss(logits, tokens, mask, draft_vocab=draft_vocab, vocab_size=tcfg.vocab_size)
+            # Greedy acceptance estimate per unrolled step: the argmax matches the (self-distilled) next token.
+            S, T = logits.shape[0], tokens.shape[1]
+            tgt_pos = jnp.arange(T)[None, :] + 2 + jnp.arange(S)[:, None]  # [S, T]
+            tgt = jnp.moveaxis(tokens[:, jnp.minimum(tgt_pos, T - 1)], 1, 0)  # [S, b, T]
+            ok = jnp.moveaxis(mask[:, jnp.minimum(tgt_pos, T - 1)], 1, 0) & (tgt_pos < T)[:, None, :]
+            pred = jnp.argmax(logits, -1)
+            if draft_vocab is not None:
+                pred = draft_vocab[pred]
+            hit = (pred == tgt).astype(jnp.float32)
+            top1 = jnp.sum(hit * ok, axis=(1, 2)) / jnp.maximum(jnp.sum(ok, axis=(1, 2)), 1)
+            return loss, {"ce": loss, "accept_top1_per_pos": top1}
+        anchors, valid = sample_anchors(key, mask, cfg.anchors)
+        out = dflash.train_forward(params, target_params, tcfg, dcfg, tokens, feats, anchors)
+        targets, supervised, src = block_targets(tokens, mask, anchors, valid, dcfg.block_size)
+        weight = supervised.astype(jnp.float32)
+        logits = out["draft_logits"]
+        pred = jnp.argmax(logits, -1)
+        if draft_vocab is not None:
+            pred = draft_vocab[pred]
+        metrics = {"accept_top1_per_pos": per_position((pred == targets).astype(jnp.float32), weight)}
+        if kind == "dflash":
+            loss, m = dflash_loss(out, targets, supervised, cfg.temperature, draft_vocab, tcfg.vocab_size)
+            return loss, {**m, **metrics}
+        # The teacher: the target's next-token distribution at each block position, from its cached
+        # final hidden state through its own LM head (no gradient: the target is frozen).
+        b = tokens.shape[0]
+        hidden = jnp.take_along_axis(batch["hidden"], src.reshape(b, -1)[..., None], axis=1)  # [b, A*G, e]
+        teacher_logits = linear(hidden.astype(jnp.float32), lm_head_weight(target_params), out_dtype=jnp.float32)
+        p = jax.lax.stop_gradient(jax.nn.softmax(teacher_logits / cfg.temperature, -1)).reshape(
+            targets.shape + (tcfg.vocab_size,))  # [b, A, G, V]
+        loss, m = dspark_loss(out, targets, p, supervised, cfg.temperature, draft_vocab)
+        # Acceptance estimate per position under sampling: 1 - TV of q_k against p_k.
+        q = jax.nn.softmax(logits.astype(jnp.float32) / cfg.temperature, -1)
+        p_d = p if draft_vocab is None else jnp.take(p, draft_vocab, axis=-1)
+        overlap = jnp.sum(jnp.minimum(q, p_d), -1)  # 1 - TV
+        return loss, {**m, **metrics, "accept_tv_per_pos": per_position(overlap, weight)}
+
+    return loss_fn
+
+
+def make_optimizer(cfg: FitConfig):
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=min(cfg.warmup_steps, max(cfg.steps - 1, 1)),
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay)), schedule
+
+
+# ---------------------------------------------------------------------------------- the run
+def split_params(params: dict) -> tuple[dict, dict]:
+    """(trainable, frozen): the draft-vocabulary table and other integer arrays stay out of the
+    optimizer state."""
+    frozen = {k: v for k, v in params.items() if k == "draft_vocab"}
+    return {k: v for k, v in params.items() if k not in frozen}, frozen
+
+
+def run(cfg: FitConfig) -> dict:
+    """Train (or resume) and export the drafter; returns a summary."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tqdm import tqdm
+
+    from dspark_jax import sharding
+    from dspark_jax.drafters import Drafter, drafter_module, save_drafter, target_fingerprint
+    from dspark_jax.target import load_target
+    from train import data as data_lib
+    from train.loader import SequenceData
+
+    check_config(cfg)
+    if cfg.distributed:
+        jax.distributed.initialize()
+    mesh = sharding.make_mesh(**parse_mesh(cfg.mesh))
+    rules = sharding.TRAIN_RULES
+    with open(os.path.join(cfg.data, data_lib.META)) as f:
+        data_meta = json.load(f)
+    target = load_target(cfg.model or data_meta["generation"]["model"])
+    tcfg = target.config
+    dcfg = drafter_config(cfg, tcfg)
+    feature_pick = tuple(cfg.feature_layers.index(l) for l in dcfg.target_layer_ids)
+    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len)
+    devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % devices_on_batch:
+        raise SystemExit(f"--batch-size {cfg.batch_size} must divide evenly over data x fsdp = {devices_on_batch}")
+
+    # Params: random init, the draft vocabulary from the data, placed by the train rules.
+    params = drafter_module(cfg.drafter).init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
+    if cfg.draft_vocab_size is not None:
+        params["draft_vocab"] = jnp.asarray(data_lib.load_draft_vocab(cfg.data, cfg.draft_vocab_size))
+    axes = sharding.drafter_param_axes(params, dcfg, tcfg)
+    params = sharding.shard_tree(params, axes, mesh, rules)
+    trainable, frozen = split_params(params)
+    target_params = sharding.shard_tree(target.params, sharding.target_param_axes(target.params, tcfg), mesh, rules)
+    optimizer, schedule = make_optimizer(cfg)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    param_shardings = jax.tree.map(lambda a: a.sharding, trainable)
+    opt_shape = jax.eval_shape(optimizer.init, trainable)
+    opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(trainable)
+    state = {"params": trainable, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
+    state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    state = jax.device_put(state, state_shardings)  # as the step returns it, so step 2 does not recompile
+
+    batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    loss_fn = make_loss_fn(cfg.drafter, tcfg, dcfg, cfg, feature_pick)
+
+    def train_step(state, frozen, target_params, batch):
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), state["step"])
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], frozen, target_params, batch, key)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+               "step": state["step"] + 1}
+        return new, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
+
+    step_fn = jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, replicated))
+    frozen = jax.device_put(frozen, jax.tree.map(lambda a: a.sharding, frozen))
+
+    # Resume from the latest checkpoint, if any.
+    os.makedirs(cfg.out, exist_ok=True)
+    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.out, "checkpoints")),
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True))
+    start = 0
+    if manager.latest_step() is not None:
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, state_shardings)
+        restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        state, start = restored["state"], int(restored["meta"]["step"])
+        if restored["meta"].get("config_key") != _config_key(cfg):
+            raise SystemExit(f"{cfg.out} holds a run with other settings; use another --out")
+
+    def save(step: int) -> None:
+        if manager.latest_step() == step:
+            return  # the periodic save already wrote it
+        meta = {"step": step, "data_position": step * cfg.batch_size, "seed": cfg.seed, "config_key": _config_key(cfg)}
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                     force=True)
+
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    log_path = os.path.join(cfg.out, "log.jsonl")
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    t0 = time.perf_counter()
+    with open(log_path, "a") as log, tqdm(total=cfg.steps, initial=start, desc=f"fit {cfg.drafter}", unit="step") as bar:
+        for step in range(start, end):
+            host = train_data.batch(train_data.indices(cfg.seed, step, cfg.batch_size), dcfg.target_layer_ids)
+            batch = jax.device_put({"tokens": host.tokens, "mask": host.mask, "features": host.features,
+                                    "hidden": host.hidden}, batch_sharding)
+            state, metrics = step_fn(state, frozen, target_params, batch)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+                row = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
+                row.update(step=step + 1, seconds=time.perf_counter() - t0, tokens=(step + 1) * tokens_per_step)
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc1=f"{np.mean(row['accept_top1_per_pos']):.2f}")
+            bar.update(1)
+            if (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                save(step + 1)
+    final = int(jax.device_get(state["step"]))
+    summary = {"step": final, "steps": cfg.steps, "seconds": time.perf_counter() - t0, "tokens_per_step": tokens_per_step}
+    if final >= cfg.steps:
+        save(final)
+        manager.wait_until_finished()
+        trained = {**jax.device_get(state["params"]), **jax.device_get(frozen)}
+        dtype = jnp.bfloat16 if cfg.export_dtype == "bfloat16" else jnp.float32
+        trained = jax.tree.map(lambda a: np.asarray(a).astype(dtype) if np.asarray(a).dtype.kind == "f" else np.asarray(a),
+                               trained)
+        drafter = Drafter(config=dcfg, params=trained, target_fingerprint=target_fingerprint(tcfg),
+                          target_description=f"{target.name}")
+        save_drafter(drafter, os.path.join(cfg.out, "drafter"))
+        summary["drafter"] = os.path.join(cfg.out, "drafter")
+        plot_curves(log_path, os.path.join(cfg.out, "curves.png"))
+    else:
+        save(final)
+        manager.wait_until_finished()
+    manager.close()
+    return summary
+
+
+def _config_key(cfg: FitConfig) -> dict:
+    """Settings a checkpoint's meaning depends on (resuming with other values would mix runs)."""
+    keys = ("drafter", "data", "feature_layers", "draft_vocab_size", "num_layers", "head_type", "head_rank",
+            "target_layer_ids", "block_size", "seq_len", "batch_size", "anchors", "eagle_steps", "steps", "lr",
+            "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "temperature", "seed")
+    return json.loads(json.dumps({k: getattr(cfg, k) for k in keys}))
+
+
+def read_log(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(log_path: str, png_path: str) -> None:
+    """Loss terms, acceptance per position and the learning rate against training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_log(log_path)
+    if not rows:
+        return
+    x = [r["tokens"] for r in rows]
+    terms = [k for k in ("loss", "ce", "tv", "bce") if k in rows[0]]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for k in terms:
+        axes[0].plot(x, [r[k] for r in rows], label=k)
+    axes[0].set_title("loss terms")
+    for key, style in (("accept_top1_per_pos", "-"), ("accept_tv_per_pos", "--")):
+        if key in rows[0]:
+            per = np.asarray([r[key] for r in rows])
+            for j in range(per.shape[1]):
+                axes[1].plot(x, per[:, j], style, label=f"{key.split('_')[1]} k={j + 1}")
+    axes[1].set_title("estimated acceptance per position")
+    axes[2].plot(x, [r["lr"] for r in rows])
+    axes[2].set_title("learning rate")
+    for ax in axes:
+        ax.set_xlabel("training tokens")
+    axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    print(json.dumps(run(cfg), indent=2))
+
+
+if __name__ == "__main__":
+    main()

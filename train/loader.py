@@ -1,0 +1,86 @@
+"""Training batches from train.data shards and their train.features files (host side).
+
+The batch of step s is a pure function of (seed, s): epoch e = s * B // n uses the permutation
+seeded by (seed, e), so a resumed run sees exactly the batches an uninterrupted one would, and
+the data position a checkpoint needs is just the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from train import data as data_lib
+from train import features as features_lib
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: np.ndarray  # [B, T] int32, padding 0
+    mask: np.ndarray  # [B, T] bool: supervised (assistant) tokens
+    features: np.ndarray  # [B, T, m, e] bfloat16: the stored target layers
+    hidden: np.ndarray  # [B, T, e] bfloat16: the target's final normed hidden state (teacher)
+
+
+class SequenceData:
+    """One split's sequences with their cached features, cropped to `seq_len` tokens."""
+
+    def __init__(self, data_dir: str, layers: Sequence[int], split: str, seq_len: int):
+        self.seq_len = seq_len
+        self.layers = tuple(layers)
+        self.rows: list[tuple[np.ndarray, int, np.ndarray]] = []  # (tokens, prompt_len, feature bits [T, m+1, e])
+        shards = data_lib.shard_paths(data_dir, split)
+        if not shards:
+            raise FileNotFoundError(f"{data_dir}/{split}: no data shards (python -m train.data --out {data_dir})")
+        for shard in shards:
+            path = features_lib.feature_path(data_dir, layers, split, shard)
+            try:
+                feats = np.load(path, mmap_mode="r")
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"{path}: no cached features for these layers (python -m train.features --data {data_dir} "
+                    f"--layers {' '.join(map(str, layers))})") from None
+            start = 0
+            for row in data_lib.read_shard(shard):
+                n = len(row["tokens"])
+                self.rows.append((row["tokens"], row["prompt_len"], feats[start:start + n]))
+                start += n
+            if start != feats.shape[0]:
+                raise ValueError(f"{path}: {feats.shape[0]} feature rows for {start} tokens (stale cache?)")
+        self.width = self.rows[0][2].shape[-1]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def supervised_tokens(self) -> int:
+        return sum(max(0, min(len(t), self.seq_len) - p) for t, p, _ in self.rows)
+
+    def indices(self, seed: int, step: int, batch_size: int) -> np.ndarray:
+        """Row indices of step `step`'s batch (epochs of seeded permutations, concatenated)."""
+        n = len(self.rows)
+        out = []
+        for slot in range(step * batch_size, (step + 1) * batch_size):
+            epoch, offset = divmod(slot, n)
+            out.append(np.random.default_rng([seed, epoch]).permutation(n)[offset])
+        return np.asarray(out)
+
+    def batch(self, indices: Sequence[int], layer_ids: Sequence[int]) -> Batch:
+        """The rows `indices`, padded to seq_len, with the stored layers `layer_ids` (a subset)."""
+        T, m = self.seq_len, len(layer_ids)
+        pick = [self.layers.index(l) for l in layer_ids]
+        tokens = np.zeros((len(indices), T), np.int32)
+        mask = np.zeros((len(indices), T), bool)
+        feats = np.zeros((len(indices), T, m, self.width), np.uint16)
+        hidden = np.zeros((len(indices), T, self.width), np.uint16)
+        for r, i in enumerate(indices):
+            toks, prompt_len, bits = self.rows[int(i)]
+            n = min(len(toks), T)
+            tokens[r, :n] = toks[:n]
+            mask[r, prompt_len:n] = True
+            feats[r, :n] = bits[:n, pick]
+            hidden[r, :n] = bits[:n, -1]
+        return Batch(tokens=tokens, mask=mask, features=features_lib.from_bf16_bits(feats),
+                     hidden=features_lib.from_bf16_bits(hidden))
