@@ -308,7 +308,6 @@ def run(cfg: FitConfig) -> dict:
         return new, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
 
     step_fn = jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, replicated))
-    frozen = jax.device_put(frozen, jax.tree.map(lambda a: a.sharding, frozen))
 
     # Resume from the latest checkpoint, if any.
     os.makedirs(cfg.out, exist_ok=True)
