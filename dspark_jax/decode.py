@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.calibration import survival_probs
 from dspark_jax.drafters.config import DraftOutput, DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import KVCache, forward, init_cache, logits_from_hidden
@@ -80,6 +81,9 @@ class DecodeSettings:
     # Cache slots a step's attention reads ([0, kv_len)); None = max_len. The Engine compiles a
     # step per span bucket and picks the smallest that holds every live row through the step.
     kv_len: int | None = None
+    # STS temperatures of the drafter's confidence head (DESIGN 5), one per drafted position; None:
+    # uncalibrated (all 1). Fixed per drafter checkpoint, so static.
+    confidence_temperatures: tuple[float, ...] | None = None
 
     @property
     def block_size(self) -> int:
@@ -288,11 +292,23 @@ def no_draft(b: int, vocab: int) -> DraftOutput:
                        confidence_logits=jnp.zeros((b, 0), jnp.float32))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundTrace:
+    """Per round and row: raw confidence logits [b, G], calibrated survival [b, G], accepted [b]."""
+
+    confidence_logits: jax.Array
+    survival: jax.Array
+    accepted: jax.Array
+
+
 def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
     """One draft / verify / commit round for every live slot.
 
-    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool): row r emitted emitted[r, keep[r]]
-    this round (keep is a prefix mask).
+    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace): row r emitted
+    emitted[r, keep[r]] this round (keep is a prefix mask); trace holds the round's raw confidence
+    logits [b, G], calibrated survival probabilities [b, G] and accepted lengths [b] (-1 for a
+    row that was not live), for calibration and the scheduler.
     """
     mod = drafter_module(s)
     g = s.block_size
@@ -352,7 +368,12 @@ def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
         committed=state.committed + committed_len.sum(dtype=jnp.int32),
         tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
         accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32))
-    return state, emitted, keep
+    z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
+    temps = jnp.asarray(s.confidence_temperatures or (1.0,) * z.shape[1], jnp.float32)
+    trace = RoundTrace(confidence_logits=z, survival=survival_probs(z, temps),
+                       accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
+    return state, emitted, keep, trace
+
 
 
 def step_width(rounds: int, block_size: int) -> int:
@@ -363,9 +384,10 @@ def step_width(rounds: int, block_size: int) -> int:
 def step(params: dict, dparams, state: SlotState, *, rounds: int, s: DecodeSettings):
     """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
 
-    Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32):
-    slot r committed tokens[r, :counts[r]] in this call, its first token (from insert) included
-    when unreported.
+    Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32,
+    trace): slot r committed tokens[r, :counts[r]] in this call, its first token (from insert)
+    included when unreported; trace is a RoundTrace with a rounds axis after the slots
+    ([slots, rounds, G] / [slots, rounds]; accepted -1 for rounds not run or rows not live).
     """
     b = state.anchor.shape[0]
     width = step_width(rounds, s.block_size)
@@ -373,18 +395,23 @@ def step(params: dict, dparams, state: SlotState, *, rounds: int, s: DecodeSetti
     counts = state.unreported.astype(jnp.int32)
     state = dataclasses.replace(state, unreported=jnp.zeros_like(state.unreported))
     rows = jnp.arange(b)[:, None]
+    g = s.block_size
+    trace = RoundTrace(confidence_logits=jnp.zeros((b, rounds, g), jnp.float32),
+                       survival=jnp.zeros((b, rounds, g), jnp.float32), accepted=jnp.full((b, rounds), -1, jnp.int32))
 
     def cond(carry):
-        i, st, _, _ = carry
+        i, st, _, _, _ = carry
         return (i < rounds) & jnp.any(~st.done)
 
     def body(carry):
-        i, st, out, counts = carry
-        st, emitted, keep = decode_round(params, dparams, st, s=s)
+        i, st, out, counts, trace = carry
+        st, emitted, keep, now = decode_round(params, dparams, st, s=s)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
         out = out.at[rows, at].set(emitted, mode="drop")
-        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32)
+        trace = jax.tree.map(lambda buf, x: buf.at[:, i].set(x), trace, now)
+        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace
 
-    ran, state, out, counts = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out, counts))
-    return state, out, counts, ran
+    ran, state, out, counts, trace = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), state, out, counts, trace))
+    return state, out, counts, ran, trace

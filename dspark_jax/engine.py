@@ -48,6 +48,11 @@ class StepOutput:
     drafted: list[int]  # draft tokens sent to verification for the slot's request so far
     accepted: list[int]  # ... of which the target accepted
     rounds: int  # rounds run (fewer than asked when every slot was done)
+    # Per slot, one entry per round the slot was live in this call: accepted draft tokens, the
+    # drafter's raw confidence logits [G] and their STS-calibrated survival probabilities [G].
+    round_accepted: list[list[int]] = dataclasses.field(default_factory=list)
+    round_confidence_logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # [rounds_live, G]
+    round_survival: list[np.ndarray] = dataclasses.field(default_factory=list)  # [rounds_live, G]
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -61,6 +66,16 @@ def attention_spans(max_len: int, minimum: int = 256) -> tuple[int, ...]:
     A step attends only over the smallest span that holds its rows, so short contexts do not
     read the whole cache (at batch 8 with max_len 1024 that halved a decode step)."""
     return prefill_buckets(max_len, minimum)
+
+
+def confidence_temperatures(drafter, dconfig) -> tuple[float, ...] | None:
+    """The drafter's STS temperatures (train.calibrate stores them in its checkpoint) for the
+    engine's block size: positions past the calibrated ones reuse the last temperature."""
+    temps = (getattr(drafter, "calibration", None) or {}).get("temperatures")
+    if not temps or dconfig is None or dconfig.block_size == 0:
+        return None
+    temps = [float(t) for t in temps]
+    return tuple((temps + [temps[-1]] * dconfig.block_size)[:dconfig.block_size])
 
 
 def prefill_buckets(max_len: int, minimum: int = 16) -> tuple[int, ...]:
@@ -102,7 +117,8 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
-                                       verifier=verifier)
+                                       verifier=verifier,
+                                       confidence_temperatures=confidence_temperatures(drafter, dconfig))
         self.prefill_buckets = prefill_buckets(max_len)
         self.attention_spans = attention_spans(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
@@ -300,15 +316,20 @@ class Engine:
         if not isinstance(rounds, (int, np.integer)) or rounds < 1:
             raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
         span = self.span_for(state, int(rounds))
-        state, tokens, counts, ran = self._run(f"step{int(rounds)}@{span}", self._step_fn(int(rounds), span),
-                                               (state,), (0,))
-        tokens, counts, occupied, done, reason, drafted, accepted, ran = jax.device_get(
-            (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran))
+        state, tokens, counts, ran, trace = self._run(f"step{int(rounds)}@{span}", self._step_fn(int(rounds), span),
+                                                      (state,), (0,))
+        tokens, counts, occupied, done, reason, drafted, accepted, ran, trace = jax.device_get(
+            (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,
+             trace))
         finished = occupied & done
+        live = [trace.accepted[i] >= 0 for i in range(self.slots)]  # [rounds] per slot
         out = StepOutput(
             tokens=[tokens[i, :counts[i]].tolist() for i in range(self.slots)], finished=finished.tolist(),
             finish_reason=[FINISH_REASONS[int(r)] if f else None for r, f in zip(reason, finished)],
-            drafted=drafted.tolist(), accepted=accepted.tolist(), rounds=int(ran))
+            drafted=drafted.tolist(), accepted=accepted.tolist(), rounds=int(ran),
+            round_accepted=[trace.accepted[i][live[i]].tolist() for i in range(self.slots)],
+            round_confidence_logits=[trace.confidence_logits[i][live[i]] for i in range(self.slots)],
+            round_survival=[trace.survival[i][live[i]] for i in range(self.slots)])
         return state, out
 
     def free(self, state: SlotState, slot: int) -> SlotState:

@@ -224,3 +224,32 @@ def test_staggered_arrival_on_real_model(real_target, kind):
     _, tokens, _ = _run_to_end(engine, state, [0, 1])
     assert got_a + tokens[0] == solo_a
     assert tokens[1] == solo_b
+
+
+def test_round_trace_reports_acceptance_and_calibrated_confidence(tiny):
+    """Each live round reports its accepted length (they add up to the slot's counter) and the
+    confidence head's logits with survival = cumprod sigmoid(z / T) under the drafter's STS
+    temperatures (too few temperatures: the last one repeats)."""
+    drafter = init_drafter(tiny, "dspark", seed=2, block_size=3)
+    drafter.calibration = {"temperatures": [0.5, 2.0]}
+    engine = Engine(tiny, drafter, slots=2, max_len=128)
+    assert engine.settings.confidence_temperatures == (0.5, 2.0, 2.0)
+    state = engine.insert_many(engine.new_state(), [(0, _prompts(1)[0], SamplingParams(max_new_tokens=20)),
+                                                    (1, _prompts(1, 3)[0], SamplingParams(max_new_tokens=9))])
+    accepted, logits = [[], []], []
+    for _ in range(30):
+        state, out = engine.step(state, rounds=3)
+        for s in range(2):
+            z, surv = out.round_confidence_logits[s], out.round_survival[s]
+            assert z.shape == surv.shape == (len(out.round_accepted[s]), 3)
+            want = np.cumprod(1 / (1 + np.exp(-z / np.array([0.5, 2.0, 2.0]))), axis=-1)
+            np.testing.assert_allclose(surv, want, rtol=1e-5, atol=1e-6)
+            assert all(0 <= a <= 3 for a in out.round_accepted[s])
+            accepted[s] += out.round_accepted[s]
+            logits.append(z)
+        if all(out.finished):
+            break
+    assert all(out.finished)
+    assert [sum(a) for a in accepted] == out.accepted
+    assert len(accepted[1]) < len(accepted[0])  # the shorter request stopped being live earlier
+    assert np.abs(np.concatenate(logits)).max() > 0  # the confidence head's own logits, not zeros

@@ -146,35 +146,14 @@ def chunks(items: list, size: int) -> Iterator[tuple[int, list]]:
 
 # ------------------------------------------------------------------------------- generation
 def generate_responses(engine, examples: Sequence[Example], cfg: DataConfig, progress=None) -> list[tuple[list[int], str]]:
-    """(response ids, finish reason) per example, by continuous batching over the engine's
-    slots: each step runs up to cfg.rounds_per_step rounds on the device, then finished rows
-    leave and waiting prompts take their slots."""
+    """(response ids, finish reason) per example, by continuous batching over the engine's slots."""
+    from dspark_jax.batch import run_requests
     from dspark_jax.sampling import SamplingParams
 
-    results: list = [None] * len(examples)
-    pending = list(range(len(examples)))[::-1]  # pop() takes them in order
-    slot_of: dict[int, int] = {}  # slot -> example index
-    tokens: dict[int, list[int]] = {}
-    state = engine.new_state()
-    while pending or slot_of:
-        free = [s for s in range(engine.slots) if s not in slot_of]
-        batch = []
-        for slot in free[:len(pending)]:
-            i = pending.pop()
-            params = SamplingParams(temperature=cfg.temperature, seed=examples[i].seed,
-                                    max_new_tokens=cfg.max_new_tokens)
-            batch.append((slot, examples[i].prompt_ids, params))
-            slot_of[slot], tokens[slot] = i, []
-        state = engine.insert_many(state, batch)
-        state, out = engine.step(state, rounds=cfg.rounds_per_step)
-        for slot in list(slot_of):
-            tokens[slot].extend(out.tokens[slot])
-            if out.finished[slot]:
-                results[slot_of.pop(slot)] = (tokens.pop(slot), out.finish_reason[slot])
-                state = engine.free(state, slot)
-                if progress is not None:
-                    progress.update(1)
-    return results
+    params = [SamplingParams(temperature=cfg.temperature, seed=e.seed, max_new_tokens=cfg.max_new_tokens)
+              for e in examples]
+    results = run_requests(engine, [e.prompt_ids for e in examples], params, cfg.rounds_per_step, progress)
+    return [(r.tokens, r.finish_reason) for r in results]
 
 
 def build_draft_vocab(out: str, sizes: Sequence[int], vocab_size: int) -> dict:

@@ -1,0 +1,93 @@
+"""Sequential Temperature Scaling (DESIGN.md section 5) and the calibration metrics.
+
+The confidence head gives a raw logit z_k per drafted position; the calibrated probability that
+position k survives verification (every draft token up to k accepted) is
+
+    c_k = prod_{i <= k} sigmoid(z_i / T_i),
+
+with one temperature per position fitted post hoc, left to right: T_k minimises the ECE of c_k
+against the realised survival indicators s_k = 1[accepted length >= k], earlier temperatures
+fixed. The fit and the metrics are host-side numpy (they run once, offline); `survival_probs`
+is the jnp form the Engine applies inside its step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))  # log-spaced, 0.05 .. 20
+ECE_BINS = 15
+
+
+def survival_probs(z, temperatures):
+    """c [..., G] = cumprod sigmoid(z / T) over positions (jnp; temperatures [G])."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.cumprod(jax.nn.sigmoid(z / temperatures), axis=-1)
+
+
+def survival_probs_np(z: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
+    return np.cumprod(1.0 / (1.0 + np.exp(-z / temperatures)), axis=-1)
+
+
+def ece(probs: np.ndarray, labels: np.ndarray, bins: int = ECE_BINS) -> float:
+    """Expected calibration error with equal-width bins: sum_b (n_b / n) |mean(p) - mean(y)|."""
+    probs, labels = np.asarray(probs, np.float64), np.asarray(labels, np.float64)
+    if probs.size == 0:
+        return float("nan")
+    which = np.minimum((probs * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        sel = which == b
+        if sel.any():
+            total += sel.sum() * abs(probs[sel].mean() - labels[sel].mean())
+    return float(total / probs.size)
+
+
+def auroc(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Area under the ROC curve (rank statistic, ties averaged); nan with one class only."""
+    probs, labels = np.asarray(probs, np.float64), np.asarray(labels, bool)
+    pos, neg = labels.sum(), (~labels).sum()
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = np.argsort(probs, kind="mergesort")
+    ranks = np.empty(len(probs))
+    sorted_p = probs[order]
+    i = 0
+    while i < len(sorted_p):  # average ranks over ties
+        j = i
+        while j + 1 < len(sorted_p) and sorted_p[j + 1] == sorted_p[i]:
+            j += 1
+        ranks[order[i:j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def brier(probs: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean((np.asarray(probs, np.float64) - np.asarray(labels, np.float64)) ** 2))
+
+
+def survival_labels(accepted: np.ndarray, block_size: int) -> np.ndarray:
+    """s [n, G] = 1[accepted length >= k] for k = 1..G, from accepted lengths [n]."""
+    return (np.asarray(accepted)[:, None] >= np.arange(1, block_size + 1)[None, :]).astype(np.float64)
+
+
+def fit_sts(z: np.ndarray, survival: np.ndarray, grid: np.ndarray = TEMPERATURE_GRID) -> np.ndarray:
+    """Temperatures [G] fitted left to right by ECE over `grid` (z, survival: [n, G])."""
+    z = np.asarray(z, np.float64)
+    g = z.shape[1]
+    temps = np.ones(g)
+    prefix = np.ones(len(z))  # prod_{i < k} sigmoid(z_i / T_i) with the fitted T_i
+    for k in range(g):
+        scores = [ece(prefix / (1.0 + np.exp(-z[:, k] / t)), survival[:, k]) for t in grid]
+        temps[k] = grid[int(np.argmin(scores))]
+        prefix = prefix / (1.0 + np.exp(-z[:, k] / temps[k]))
+    return temps
+
+
+def metrics_per_position(probs: np.ndarray, survival: np.ndarray) -> list[dict]:
+    """[{"ece", "auroc", "brier", "rate", "mean_conf"}] per position."""
+    return [dict(ece=ece(probs[:, k], survival[:, k]), auroc=auroc(probs[:, k], survival[:, k]),
+                 brier=brier(probs[:, k], survival[:, k]), rate=float(survival[:, k].mean()),
+                 mean_conf=float(probs[:, k].mean())) for k in range(probs.shape[1])]

@@ -1,0 +1,171 @@
+"""Sequential Temperature Scaling of a drafter's confidence head (DESIGN.md section 5).
+
+    python -m train.calibrate --drafter runs/dspark/drafter --data data/smollm2-135m [--temperature 0]
+
+1. Collect: the validation split's prompts run through the Engine with the drafter at the
+   serving temperature; every verification round gives the confidence head's raw logits
+   z_1..z_G and the accepted length, hence the survival indicators s_k = 1[accepted >= k].
+2. Fit one temperature per position, left to right (dspark_jax.calibration.fit_sts) on half
+   of the rounds (split by request), and report ECE, AUROC and Brier per position before and
+   after on the other half.
+3. Store the temperatures in the drafter checkpoint (drafter.json "calibration"); the Engine
+   applies them to the confidences it reports and the scheduler uses. A reliability diagram
+   (PNG) and the table (markdown) go next to the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+
+from dspark_jax import calibration as cal
+
+
+@dataclasses.dataclass
+class CalibrateConfig:
+    drafter: str = "runs/dspark/drafter"
+    data: str = "data/smollm2-135m"
+    model: str | None = None
+    """Default: the model the data was generated with."""
+    temperature: float = 0.0
+    """The serving temperature the survival indicators are collected at."""
+    max_prompts: int = 128
+    max_new_tokens: int = 128
+    slots: int = 16
+    seed: int = 0
+    out: str | None = None
+    """Where the report and the diagram go; default: the drafter folder."""
+
+
+def collect(engine, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int, seed: int,
+            progress=None):
+    """(z [n, G], accepted [n], request id [n]) over every verification round of every prompt."""
+    from dspark_jax.batch import run_requests
+    from dspark_jax.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, seed=seed + i, max_new_tokens=max_new_tokens)
+              for i in range(len(prompts))]
+    results = run_requests(engine, prompts, params, progress=progress)
+    z = np.concatenate([r.round_confidence_logits for r in results])
+    accepted = np.concatenate([np.asarray(r.round_accepted, np.int64) for r in results])
+    request = np.concatenate([np.full(len(r.round_accepted), i) for i, r in enumerate(results)])
+    return z, accepted, request
+
+
+def calibrate(z: np.ndarray, accepted: np.ndarray, request: np.ndarray) -> dict:
+    """Fit on the even requests, evaluate on the odd ones (rounds of one request stay together)."""
+    g = z.shape[1]
+    survival = cal.survival_labels(accepted, g)
+    fit_rows, test_rows = request % 2 == 0, request % 2 == 1
+    if not test_rows.any():
+        fit_rows = test_rows = np.ones(len(z), bool)
+    temps = cal.fit_sts(z[fit_rows], survival[fit_rows])
+    before = cal.survival_probs_np(z[test_rows], np.ones(g))
+    after = cal.survival_probs_np(z[test_rows], temps)
+    return {"temperatures": temps.tolist(), "rounds": int(len(z)), "rounds_fit": int(fit_rows.sum()),
+            "rounds_eval": int(test_rows.sum()),
+            "before": cal.metrics_per_position(before, survival[test_rows]),
+            "after": cal.metrics_per_position(after, survival[test_rows]),
+            "curves": {"before": reliability(before, survival[test_rows]), "after": reliability(after, survival[test_rows])}}
+
+
+def reliability(probs: np.ndarray, survival: np.ndarray, bins: int = cal.ECE_BINS) -> list[list]:
+    """Per position, per bin: [mean confidence, empirical survival, count] (bins with data only)."""
+    out = []
+    for k in range(probs.shape[1]):
+        which = np.minimum((probs[:, k] * bins).astype(int), bins - 1)
+        out.append([[float(probs[which == b, k].mean()), float(survival[which == b, k].mean()), int((which == b).sum())]
+                    for b in range(bins) if (which == b).any()])
+    return out
+
+
+def table(report: dict) -> str:
+    lines = ["| k | survival rate | ECE before | ECE after | AUROC | Brier before | Brier after | T_k |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for k, (b, a, t) in enumerate(zip(report["before"], report["after"], report["temperatures"]), 1):
+        lines.append(f"| {k} | {b['rate']:.3f} | {100 * b['ece']:.2f} % | {100 * a['ece']:.2f} % | {a['auroc']:.3f} | "
+                     f"{b['brier']:.4f} | {a['brier']:.4f} | {t:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = len(report["temperatures"])
+    fig, axes = plt.subplots(1, g, figsize=(2.6 * g, 2.8), squeeze=False)
+    for k in range(g):
+        ax = axes[0, k]
+        ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
+        for name, style in (("before", "o--"), ("after", "s-")):
+            pts = report["curves"][name][k]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, ms=3, label=name)
+        ax.set_title(f"k={k + 1}  ECE {100 * report['before'][k]['ece']:.1f}->{100 * report['after'][k]['ece']:.1f} %",
+                     fontsize=8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("confidence", fontsize=7)
+    axes[0, 0].set_ylabel("empirical survival", fontsize=7)
+    axes[0, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: CalibrateConfig) -> dict:
+    from tqdm import tqdm
+
+    from dspark_jax import Engine, load_target
+    from dspark_jax.drafters import load_drafter, save_drafter
+    from train import data as data_lib
+
+    with open(os.path.join(cfg.data, data_lib.META)) as f:
+        meta = json.load(f)
+    target = load_target(cfg.model or meta["generation"]["model"])
+    drafter = load_drafter(cfg.drafter, target)
+    if not drafter.config.confidence_head:
+        raise SystemExit(f"{cfg.drafter}: this {drafter.kind} drafter has no confidence head to calibrate")
+    rows = data_lib.read_split(cfg.data, "validation")[:cfg.max_prompts]
+    prompts = [r["tokens"][:r["prompt_len"]].tolist() for r in rows]
+    saved = drafter.calibration
+    drafter.calibration = None  # collect raw logits (the engine then reports T = 1 survival)
+    from dspark_jax.prompts import bucket
+
+    max_len = bucket(max(len(p) for p in prompts) + cfg.max_new_tokens + drafter.config.block_size + 1, minimum=128)
+    engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len)
+    with tqdm(total=len(prompts), desc="verification rounds", unit="prompt") as bar:
+        z, accepted, request = collect(engine, prompts, cfg.temperature, cfg.max_new_tokens, cfg.seed, bar)
+    report = calibrate(z, accepted, request)
+    report["serving_temperature"] = cfg.temperature
+    drafter.calibration = {**(saved or {}), "temperatures": report["temperatures"],
+                           "serving_temperature": cfg.temperature, "rounds": report["rounds"],
+                           "ece_before": [m["ece"] for m in report["before"]],
+                           "ece_after": [m["ece"] for m in report["after"]]}
+    save_drafter(drafter, cfg.drafter)
+    out = cfg.out or cfg.drafter
+    os.makedirs(out, exist_ok=True)
+    plot(report, os.path.join(out, "reliability.png"))
+    with open(os.path.join(out, "calibration.md"), "w") as f:
+        f.write(f"STS on {report['rounds_fit']} rounds, evaluated on {report['rounds_eval']} others "
+                f"(temperature {cfg.temperature}):\n\n{table(report)}\n")
+    with open(os.path.join(out, "calibration.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import tyro
+
+    report = run(tyro.cli(CalibrateConfig, args=argv))
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

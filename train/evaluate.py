@@ -1,0 +1,186 @@
+"""Evaluate trained drafters: accepted length tau, acceptance per position, end-to-end speedup.
+
+    python -m train.evaluate runs/dspark/drafter runs/dflash/drafter runs/eagle3/drafter \
+        [--data data/smollm2-135m] [--datasets mtbench humaneval sharegpt] [--temperatures 0 1] \
+        [--block-sizes 7 15] [--max-prompts 40] [--speed-batches 1 8] [--out runs/eval]
+
+tau is the mean number of tokens a verification round commits (accepted drafts + 1), over every
+round of every prompt of a dataset, through the Engine at the given temperature and block size.
+The speedup is plain generate against speculative generate on the same prompts (greedy, batch
+1 and 8, tokens per second excluding compilation; best of --repeats alternating runs). Writes
+`results.md` (the tables), `results.json` and `tau.png` under --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Sequence
+
+import numpy as np
+import tyro
+
+DATASETS = ("mtbench", "humaneval", "sharegpt")
+
+
+@dataclasses.dataclass
+class EvaluateConfig:
+    drafters: tyro.conf.Positional[tuple[str, ...]] = ("runs/dspark/drafter",)
+    """Drafter checkpoint folders."""
+    data: str = "data/smollm2-135m"
+    """train.data folder: its validation split is the held-out ShareGPT set and names the model."""
+    model: str | None = None
+    datasets: tuple[str, ...] = DATASETS
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    block_sizes: tuple[int, ...] = (7, 15)
+    max_prompts: int = 40
+    max_new_tokens: int = 128
+    slots: int = 8
+    speed_batches: tuple[int, ...] = (1, 8)
+    speed_new_tokens: int = 64
+    repeats: int = 2
+    seed: int = 0
+    out: str = "runs/eval"
+
+
+def dataset_prompts(name: str, cfg: EvaluateConfig, tokenizer) -> list[list[int]]:
+    """Chat-templated token ids of a dataset's first max_prompts prompts."""
+    from dspark_jax.prompts import encode_prompts
+    from train import data as data_lib
+    from train import sources
+
+    if name == "mtbench":
+        texts = sources.mtbench_first_turns()
+    elif name == "humaneval":
+        texts = sources.humaneval_prompts()
+    elif name == "sharegpt":
+        rows = data_lib.read_split(cfg.data, "validation")[:cfg.max_prompts]
+        return [r["tokens"][:r["prompt_len"]].tolist() for r in rows]
+    else:
+        raise SystemExit(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    return encode_prompts(tokenizer, texts[:cfg.max_prompts], chat=True)
+
+
+def acceptance(target, drafter, prompts, temperature: float, block_size: int, cfg: EvaluateConfig) -> dict:
+    """tau and acceptance per position over every round of every prompt."""
+    from dspark_jax import Engine
+    from dspark_jax.batch import run_requests
+    from dspark_jax.prompts import bucket
+    from dspark_jax.sampling import SamplingParams
+
+    max_len = bucket(max(len(p) for p in prompts) + cfg.max_new_tokens + block_size + 1, minimum=128)
+    max_len = min(max_len, target.config.max_position_embeddings)
+    engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len, block_size=block_size)
+    params = [SamplingParams(temperature=temperature, seed=cfg.seed + i, max_new_tokens=cfg.max_new_tokens)
+              for i in range(len(prompts))]
+    results = run_requests(engine, prompts, params)
+    accepted = np.concatenate([np.asarray(r.round_accepted, np.int64) for r in results])
+    reached = (accepted[:, None] >= np.arange(block_size)[None, :])  # position k was verified given k accepted
+    took = (accepted[:, None] >= np.arange(1, block_size + 1)[None, :])
+    return {"tau": float(np.mean(accepted + 1)) if len(accepted) else float("nan"), "rounds": int(len(accepted)),
+            "acceptance_per_position": (took.sum(0) / np.maximum(reached.sum(0), 1)).tolist()}
+
+
+def speedup(target, drafter, prompts, batch: int, cfg: EvaluateConfig) -> dict:
+    """Greedy tokens per second, plain and speculative, on the first `batch` prompts."""
+    from dspark_jax import generate
+
+    rows = (prompts * batch)[:batch]
+    kwargs = dict(max_new_tokens=cfg.speed_new_tokens, chat=False)
+    generate(target, rows, **kwargs)  # compile both once
+    generate(target, rows, drafter=drafter, **kwargs)
+    plain = spec = 0.0
+    tau = None
+    for _ in range(cfg.repeats):
+        plain = max(plain, generate(target, rows, **kwargs).stats["tokens_per_second"])
+        out = generate(target, rows, drafter=drafter, **kwargs)
+        spec = max(spec, out.stats["tokens_per_second"])
+        tau = out.stats["tau"]
+    return {"plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain if plain else float("nan"), "tau": tau}
+
+
+def markdown(results: dict) -> str:
+    lines = ["| drafter | dataset | T | G | tau | acceptance per position |", "|---|---|--:|--:|--:|---|"]
+    for r in results["acceptance"]:
+        per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+        lines.append(f"| {r['drafter']} | {r['dataset']} | {r['temperature']:g} | {r['block_size']} | {r['tau']:.3f} | {per} |")
+    if results["speed"]:
+        lines += ["", "| drafter | dataset | batch | plain tok/s | spec tok/s | speedup | tau |",
+                  "|---|---|--:|--:|--:|--:|--:|"]
+        for r in results["speed"]:
+            lines.append(f"| {r['drafter']} | {r['dataset']} | {r['batch']} | {r['plain_tok_s']:.1f} | "
+                         f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["acceptance"] if r["temperature"] == 0.0]
+    if not rows:
+        return
+    names = sorted({r["drafter"] for r in rows})
+    sets = sorted({(r["dataset"], r["block_size"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(sets) * len(names)), 3.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        vals = [next((r["tau"] for r in rows if r["drafter"] == name and (r["dataset"], r["block_size"]) == s),
+                     np.nan) for s in sets]
+        ax.bar(np.arange(len(sets)) + i * width, vals, width, label=name)
+    ax.set_xticks(np.arange(len(sets)) + width * (len(names) - 1) / 2, [f"{d}\nG={g}" for d, g in sets])
+    ax.set_ylabel("tau (greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg: EvaluateConfig) -> dict:
+    from tqdm import tqdm
+
+    from dspark_jax import load_target
+    from dspark_jax.drafters import load_drafter
+    from train import data as data_lib
+
+    with open(os.path.join(cfg.data, data_lib.META)) as f:
+        meta = json.load(f)
+    target = load_target(cfg.model or meta["generation"]["model"])
+    drafters = {path: load_drafter(path, target) for path in cfg.drafters}
+    prompts = {name: dataset_prompts(name, cfg, target.tokenizer) for name in cfg.datasets}
+    results = {"acceptance": [], "speed": []}
+    jobs = [(p, d, t, g) for p in drafters for d in cfg.datasets for t in cfg.temperatures for g in cfg.block_sizes]
+    for path, dataset, temperature, g in tqdm(jobs, desc="acceptance", unit="run"):
+        r = acceptance(target, drafters[path], prompts[dataset], temperature, g, cfg)
+        results["acceptance"].append({"drafter": label(path), "dataset": dataset, "temperature": temperature,
+                                      "block_size": g, **r})
+    for path in tqdm(list(drafters), desc="speedup", unit="drafter"):
+        for dataset in cfg.datasets:
+            for batch in cfg.speed_batches:
+                r = speedup(target, drafters[path], prompts[dataset], batch, cfg)
+                results["speed"].append({"drafter": label(path), "dataset": dataset, "batch": batch, **r})
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(cfg.out, "results.md"), "w") as f:
+        f.write(markdown(results) + "\n")
+    plot(results, os.path.join(cfg.out, "tau.png"))
+    return results
+
+
+def label(path: str) -> str:
+    """A drafter's name in the tables: its folder, without a trailing "/drafter"."""
+    path = os.path.normpath(path)
+    return os.path.basename(os.path.dirname(path)) if os.path.basename(path) == "drafter" else os.path.basename(path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    results = run(tyro.cli(EvaluateConfig, args=argv))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
