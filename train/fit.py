@@ -245,43 +245,39 @@ def split_params(params: dict) -> tuple[dict, dict]:
     return {k: v for k, v in params.items() if k not in frozen}, frozen
 
 
-def run(cfg: FitConfig) -> dict:
-    """Train (or resume) and export the drafter; returns a summary."""
+@dataclasses.dataclass
+class Training:
+    """What a step needs, placed on the mesh: the state (params, optimizer state, step), frozen
+    drafter arrays, target params, the jitted step and the shardings."""
+
+    state: dict
+    frozen: dict
+    target_params: dict
+    step_fn: object
+    state_shardings: dict
+    batch_sharding: object
+    dcfg: object
+
+
+def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
+    """Initialise the drafter (draft vocabulary from the data) and its optimizer on `mesh` by the
+    train rules, and jit the step: step_fn(state, frozen, target_params, batch) -> (state, metrics)."""
     import jax
     import jax.numpy as jnp
     import optax
-    import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding, PartitionSpec
-    from tqdm import tqdm
 
     from dspark_jax import sharding
-    from dspark_jax.drafters import Drafter, drafter_module, save_drafter, target_fingerprint
-    from dspark_jax.target import load_target
-    from train import data as data_lib
-    from train.loader import SequenceData
+    from dspark_jax.drafters import drafter_module
 
-    check_config(cfg)
-    if cfg.distributed:
-        jax.distributed.initialize()
-    mesh = sharding.make_mesh(**parse_mesh(cfg.mesh))
     rules = sharding.TRAIN_RULES
-    with open(os.path.join(cfg.data, data_lib.META)) as f:
-        data_meta = json.load(f)
-    target = load_target(cfg.model or data_meta["generation"]["model"])
     tcfg = target.config
     dcfg = drafter_config(cfg, tcfg)
     feature_pick = tuple(cfg.feature_layers.index(l) for l in dcfg.target_layer_ids)
-    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len)
-    devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-    if cfg.batch_size % devices_on_batch:
-        raise SystemExit(f"--batch-size {cfg.batch_size} must divide evenly over data x fsdp = {devices_on_batch}")
-
-    # Params: random init, the draft vocabulary from the data, placed by the train rules.
     params = drafter_module(cfg.drafter).init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
-    if cfg.draft_vocab_size is not None:
-        params["draft_vocab"] = jnp.asarray(data_lib.load_draft_vocab(cfg.data, cfg.draft_vocab_size))
-    axes = sharding.drafter_param_axes(params, dcfg, tcfg)
-    params = sharding.shard_tree(params, axes, mesh, rules)
+    if draft_vocab is not None:
+        params["draft_vocab"] = jnp.asarray(draft_vocab, jnp.int32)
+    params = sharding.shard_tree(params, sharding.drafter_param_axes(params, dcfg, tcfg), mesh, rules)
     trainable, frozen = split_params(params)
     target_params = sharding.shard_tree(target.params, sharding.target_param_axes(target.params, tcfg), mesh, rules)
     optimizer, schedule = make_optimizer(cfg)
@@ -291,11 +287,9 @@ def run(cfg: FitConfig) -> dict:
     opt_shardings = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, param_shardings,
                                           transform_non_params=lambda _: replicated)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)(trainable)
-    state = {"params": trainable, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
+    state = {"params": trainable, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
     state = jax.device_put(state, state_shardings)  # as the step returns it, so step 2 does not recompile
-
-    batch_sharding = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
     loss_fn = make_loss_fn(cfg.drafter, tcfg, dcfg, cfg, feature_pick)
 
     def train_step(state, frozen, target_params, batch):
@@ -308,6 +302,87 @@ def run(cfg: FitConfig) -> dict:
         return new, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
 
     step_fn = jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, replicated))
+    return Training(state=state, frozen=frozen, target_params=target_params, step_fn=step_fn,
+                    state_shardings=state_shardings, batch_sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
+                    dcfg=dcfg)
+
+
+def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: int = 3) -> float:
+    """Best-of seconds of one training step on one device, on a batch of `rows` (token shards'
+    rows) with their features `feature_bits` [tokens, m + 1, e] (benchmarks/bench_train.py).
+    The draft vocabulary is a placeholder of the configured size: same cost as a real one."""
+    import jax
+    import numpy as np
+
+    from dspark_jax import sharding
+    from train import features as features_lib
+
+    mesh = sharding.make_mesh()
+    vocab = None if cfg.draft_vocab_size is None else np.arange(cfg.draft_vocab_size)
+    t = build(cfg, target, mesh, vocab)
+    T, B = cfg.seq_len, cfg.batch_size
+    offsets = np.concatenate([[0], np.cumsum([len(r["tokens"]) for r in rows])])
+    tokens = np.zeros((B, T), np.int32)
+    mask = np.zeros((B, T), bool)
+    bits = np.zeros((B, T) + feature_bits.shape[1:], np.uint16)
+    for i in range(B):
+        r = rows[i % len(rows)]
+        n = min(len(r["tokens"]), T)
+        tokens[i, :n], mask[i, r["prompt_len"]:n] = r["tokens"][:n], True
+        bits[i, :n] = feature_bits[offsets[i % len(rows)]:offsets[i % len(rows)] + n]
+    pick = [cfg.feature_layers.index(l) for l in t.dcfg.target_layer_ids]
+    batch = {"tokens": tokens, "mask": mask, "features": features_lib.from_bf16_bits(bits[:, :, pick]),
+             "hidden": features_lib.from_bf16_bits(bits[:, :, -1])}
+    state = t.state
+
+    def once():
+        nonlocal state
+        state, metrics = t.step_fn(state, t.frozen, t.target_params, batch)
+        jax.block_until_ready(metrics["loss"])
+
+    once()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run(cfg: FitConfig) -> dict:
+    """Train (or resume) and export the drafter; returns a summary."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    from dspark_jax import sharding
+    from dspark_jax.drafters import Drafter, save_drafter, target_fingerprint
+    from dspark_jax.target import load_target
+    from train import data as data_lib
+    from train.loader import SequenceData
+
+    check_config(cfg)
+    if cfg.distributed:
+        jax.distributed.initialize()
+    mesh = sharding.make_mesh(**parse_mesh(cfg.mesh))
+    with open(os.path.join(cfg.data, data_lib.META)) as f:
+        data_meta = json.load(f)
+    target = load_target(cfg.model or data_meta["generation"]["model"])
+    tcfg = target.config
+    dcfg = drafter_config(cfg, tcfg)
+    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len)
+    devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.batch_size % devices_on_batch:
+        raise SystemExit(f"--batch-size {cfg.batch_size} must divide evenly over data x fsdp = {devices_on_batch}")
+
+    draft_vocab = None
+    if cfg.draft_vocab_size is not None:
+        draft_vocab = data_lib.load_draft_vocab(cfg.data, cfg.draft_vocab_size)
+    t = build(cfg, target, mesh, draft_vocab)
+    state, frozen, target_params, step_fn, state_shardings = (t.state, t.frozen, t.target_params, t.step_fn,
+                                                              t.state_shardings)
+    batch_sharding = t.batch_sharding
 
     # Resume from the latest checkpoint, if any.
     os.makedirs(cfg.out, exist_ok=True)

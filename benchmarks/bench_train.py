@@ -1,0 +1,106 @@
+"""Training cost per token on this machine: the teacher computed online against read from the
+feature cache, and the drafters' training steps, measured side by side in one run.
+
+    .venv/bin/python benchmarks/bench_train.py [--data data/smollm2-135m] [--sequences 16]
+        [--batch-size 8] [--seq-len 512] [--repeats 3]
+
+1. online teacher: the frozen target's forward over real training sequences, producing the
+   feature layers and the final hidden state (what a step would compute under stop_gradient);
+2. cached teacher: reading the same arrays for a batch from a bf16 .npy file (memory-mapped),
+   as train/loader.py does;
+3. one optimizer step of each drafter (the configs in train/configs) on that batch.
+Every figure is tokens per second of training sequence; ratios are within this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()  # warm up / compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="data/smollm2-135m")
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 8, 14, 20, 27])
+    args = parser.parse_args()
+
+    import jax
+    import numpy as np
+
+    from dspark_jax import load_target
+    from train import data as data_lib
+    from train import features as features_lib
+    from train import fit
+
+    target = load_target("smollm2-135m")
+    rows = data_lib.read_split(args.data, "train")[:args.sequences]
+    tokens = sum(len(r["tokens"]) for r in rows)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}; {len(rows)} sequences, {tokens} tokens", flush=True)
+
+    # 1. online: the target forward that produces features + final hidden.
+    feats = None
+
+    def online():
+        nonlocal feats
+        feats = features_lib.shard_features(target, rows, args.layers, batch_tokens=4096)
+
+    online_s = best_seconds(online, args.repeats)
+
+    # 2. cached: a batch read back from a memory-mapped bf16 file.
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "f.npy")
+        np.save(path, feats)
+        offsets = np.concatenate([[0], np.cumsum([len(r["tokens"]) for r in rows])])
+        T = args.seq_len
+
+        def cached():
+            bits = np.load(path, mmap_mode="r")
+            out = np.zeros((len(rows), T) + bits.shape[1:], np.uint16)
+            for i in range(len(rows)):
+                n = min(offsets[i + 1] - offsets[i], T)
+                out[i, :n] = bits[offsets[i]:offsets[i] + n]
+            return features_lib.from_bf16_bits(out)
+
+        cached_s = best_seconds(cached, args.repeats)
+
+    # 3. drafter steps (single device) on a batch of the configs' shape.
+    steps = {}
+    for kind in fit.KINDS:
+        cfg_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train", "configs",
+                                f"{kind}.py")
+        cfg = fit.load_config(["--config", cfg_path, "--data", args.data, "--batch-size", str(args.batch_size),
+                               "--seq-len", str(args.seq_len)])
+        steps[kind] = fit.time_step(cfg, target, rows, feats, args.repeats)
+    step_tokens = args.batch_size * args.seq_len
+
+    print("\n| what | seconds | tokens/s |\n|---|--:|--:|")
+    print(f"| online teacher: target forward, {tokens} tokens | {online_s:.2f} | {tokens / online_s:.0f} |")
+    print(f"| cached teacher: read the same from a bf16 file | {cached_s:.3f} | {tokens / cached_s:.0f} |")
+    for kind, s in steps.items():
+        print(f"| {kind} training step, {step_tokens} tokens | {s:.2f} | {step_tokens / s:.0f} |")
+    print(f"\nonline teacher / cached read: {online_s / cached_s:.0f}x per token; online teacher per token against "
+          f"the dspark step per token: {(online_s / tokens) / (steps['dspark'] / step_tokens):.2f}x")
+    print("command: .venv/bin/python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
