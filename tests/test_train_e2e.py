@@ -10,8 +10,12 @@ import numpy as np
 from train import calibrate, evaluate, fit
 
 
-def test_data_fit_calibrate_evaluate(tiny_train_data, tmp_path):
-    from dspark_jax import Engine, load_target
+def test_data_fit_calibrate_evaluate(tiny_train_data, tmp_path, monkeypatch):
+    import shutil
+
+    import pytest
+
+    from dspark_jax import Engine, drafters, load_target
     from dspark_jax.drafters import load_drafter
 
     out = tmp_path / "dspark"
@@ -30,6 +34,13 @@ def test_data_fit_calibrate_evaluate(tiny_train_data, tmp_path):
     drafter = load_drafter(summary["drafter"], target)
     assert drafter.calibration["temperatures"] == temps
     assert Engine(target, drafter, slots=1, max_len=128).settings.confidence_temperatures == tuple(temps)
+    # Shipped drafters load by name; an unknown name lists the names there are.
+    monkeypatch.setattr(drafters, "TRAINED_DIR", str(tmp_path / "trained"))
+    shutil.copytree(summary["drafter"], tmp_path / "trained" / "tiny-dspark")
+    assert drafters.trained_drafters() == ["tiny-dspark"]
+    assert load_drafter("tiny-dspark", target).calibration["temperatures"] == temps
+    with pytest.raises(FileNotFoundError, match="names: ngram, tiny-dspark"):
+        load_drafter("smollm2-135m-nothing", target)
 
     results = evaluate.run(evaluate.EvaluateConfig(drafters=(summary["drafter"],), data=tiny_train_data,
                                                    datasets=("sharegpt",), temperatures=(0.0,), block_sizes=(3,),

@@ -51,6 +51,9 @@ class DataConfig:
     seed: int = 0
     vocab_sizes: tuple[int, ...] = (8192, 16384)
     dtype: str = "float32"
+    finalize_only: bool = False
+    """Generate nothing: build the draft vocabularies and meta.json from the shards on disk (to
+    close a run stopped early; the data is then exactly the finished shards)."""
 
     def generation_key(self) -> dict:
         """The fields a shard's content depends on: resuming with others would mix data."""
@@ -212,8 +215,11 @@ def run(cfg: DataConfig) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     target = load_target(cfg.model, dtype=cfg.dtype)
     examples = select_examples(cfg, target.tokenizer, sharegpt_first_turns(cfg.sharegpt))
-    todo = [(split, index, chunk) for split in SPLITS for index, chunk in chunks(examples[split], cfg.shard_size)
-            if shard_rows(shard_path(cfg.out, split, index)) != len(chunk)]
+    # Shards in index order across the splits (train 0, validation 0, train 1, ...), so a run
+    # stopped early still has a validation set.
+    planned = [(index, split, chunk) for split in SPLITS for index, chunk in chunks(examples[split], cfg.shard_size)]
+    todo = [(split, index, chunk) for index, split, chunk in sorted(planned, key=lambda t: (t[0], SPLITS.index(t[1])))
+            if not cfg.finalize_only and shard_rows(shard_path(cfg.out, split, index)) != len(chunk)]
     remaining = sum(len(c) for _, _, c in todo)
     start = time.perf_counter()
     if todo:
@@ -232,7 +238,7 @@ def run(cfg: DataConfig) -> dict:
     coverage = build_draft_vocab(cfg.out, cfg.vocab_sizes, target.config.vocab_size)
     summary = {
         "generation": cfg.generation_key(),
-        "sequences": {s: len(examples[s]) for s in SPLITS},
+        "sequences": {s: sum(shard_rows(p) for p in shard_paths(cfg.out, s)) for s in SPLITS},
         "assistant_tokens": {s: int(sum(len(r["tokens"]) - r["prompt_len"] for r in read_split(cfg.out, s)))
                              for s in SPLITS if shard_paths(cfg.out, s)},
         "draft_vocab_coverage": {str(k): v for k, v in coverage.items()},

@@ -27,6 +27,24 @@ from dspark_jax.models.config import ModelConfig
 
 _MODULES = {"dspark": "dflash", "dflash": "dflash", "eagle3": "eagle3", "ngram": "ngram"}
 CHECKPOINT_FORMAT = 1
+# Drafters trained by this project's own programs (train/), committed with the package and
+# loadable by folder name, e.g. load_drafter("smollm2-135m-dspark").
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trained")
+
+
+def trained_drafters() -> list[str]:
+    """Names of the drafter checkpoints shipped with the package."""
+    if not os.path.isdir(TRAINED_DIR):
+        return []
+    return sorted(n for n in os.listdir(TRAINED_DIR) if os.path.isfile(os.path.join(TRAINED_DIR, n, "drafter.json")))
+
+
+def resolve_drafter_path(name_or_path: str) -> str:
+    """A checkpoint folder as given, else a shipped drafter of that name (unchanged when neither)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    shipped = os.path.join(TRAINED_DIR, name_or_path)
+    return shipped if os.path.isdir(shipped) else name_or_path
 
 
 class DrafterMismatchError(ValueError):
@@ -127,7 +145,8 @@ def save_drafter(drafter: Drafter, path: str) -> None:
 
 
 def load_drafter(path: str, target=None, *, mesh=None, rules=None) -> Drafter:
-    """Load a drafter checkpoint folder, or the name "ngram" for the prompt-lookup drafter.
+    """Load a drafter checkpoint folder, a shipped trained drafter by name (`trained_drafters()`),
+    or the name "ngram" for the prompt-lookup drafter.
 
     With `target`, refuses a drafter made for another target (generate checks this too).
     The params are placed on `mesh` (default: `target.mesh` when a target is given) by the
@@ -135,9 +154,11 @@ def load_drafter(path: str, target=None, *, mesh=None, rules=None) -> Drafter:
     """
     if path == "ngram":
         return Drafter(config=default_config("ngram", 1), params={}, target_fingerprint=None)
+    path = resolve_drafter_path(path)
     meta_path = os.path.join(path, "drafter.json")
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: no such drafter checkpoint folder (or use the name 'ngram')")
+        names = ", ".join(["ngram"] + trained_drafters())
+        raise FileNotFoundError(f"{path}: no such drafter checkpoint folder or shipped drafter name (names: {names})")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{path}: not a drafter checkpoint (no drafter.json)")
     try:
@@ -165,4 +186,4 @@ def load_drafter(path: str, target=None, *, mesh=None, rules=None) -> Drafter:
 
 
 __all__ = ["Drafter", "DraftOutput", "DrafterConfig", "DrafterMismatchError", "drafter_module", "init_drafter",
-           "load_drafter", "save_drafter", "target_fingerprint"]
+           "load_drafter", "save_drafter", "target_fingerprint", "trained_drafters"]
