@@ -1,4 +1,5 @@
-"""train/fit.py on a tiny target: every drafter kind trains, resume is exact, sharding is transparent."""
+"""The training programs on a tiny target: every drafter kind trains, resume is exact, sharding is
+transparent, and a trained drafter goes through calibrate and evaluate (end to end)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import os
 import subprocess
 import sys
 
+import json
+
 import numpy as np
 import pytest
 
-from train import fit
+from train import calibrate, evaluate, fit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,12 +35,16 @@ def _exported(path):
             jax.tree_util.tree_leaves_with_path(load_drafter(path).params)}
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_each_drafter_trains_and_exports(tiny_train_data, tmp_path, kind):
-    out = tmp_path / kind
-    summary = fit.run(_cfg(tiny_train_data, out, drafter=kind, steps=6, save_every=100))
+@pytest.fixture(scope="module")
+def dspark_run(tiny_train_data, tmp_path_factory):
+    """One uninterrupted 4-step DSpark run (checkpoints every 2 steps), shared by the tests below."""
+    out = tmp_path_factory.mktemp("dspark_run") / "whole"
+    return fit.run(_cfg(tiny_train_data, out)), out
+
+
+def _check_run(out, summary, kind, steps):
     rows = fit.read_log(os.path.join(out, "log.jsonl"))
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(np.isfinite(r["loss"]) for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"]  # a few steps at a high rate on a tiny set
     per_pos = np.asarray(rows[-1]["accept_top1_per_pos"])
@@ -49,8 +56,19 @@ def test_each_drafter_trains_and_exports(tiny_train_data, tmp_path, kind):
     assert "['draft_vocab']" in params and params["['draft_vocab']"].dtype == np.int32
 
 
-def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_path):
-    whole = fit.run(_cfg(tiny_train_data, tmp_path / "whole"))
+def test_dspark_trains_and_exports(dspark_run):
+    summary, out = dspark_run
+    _check_run(out, summary, "dspark", 4)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_other_drafters_train_and_export(tiny_train_data, tmp_path, kind):
+    out = tmp_path / kind
+    _check_run(out, fit.run(_cfg(tiny_train_data, out, drafter=kind, save_every=100)), kind, 4)
+
+
+def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_path, dspark_run):
+    whole, whole_out = dspark_run
     cfg = _cfg(tiny_train_data, tmp_path / "split", stop_after=2)
     first = fit.run(cfg)
     assert first["step"] == 2 and "drafter" not in first
@@ -61,7 +79,7 @@ def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_pat
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     # The logged losses of the resumed steps equal the uninterrupted run's.
-    la = fit.read_log(os.path.join(tmp_path / "whole", "log.jsonl"))
+    la = fit.read_log(os.path.join(whole_out, "log.jsonl"))
     lb = fit.read_log(os.path.join(tmp_path / "split", "log.jsonl"))
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
     # Other settings into the same run folder are refused.
@@ -70,26 +88,25 @@ def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_pat
 
 
 SHARDED = """
-import json, sys
+import sys
 from train import fit
-data, out, mesh = sys.argv[1:4]
-cfg = fit.FitConfig(drafter="dspark", data=data, out=out, feature_layers=(0, 1), draft_vocab_size=64, num_layers=1,
-                    head_rank=8, block_size=3, seq_len=128, batch_size=4, anchors=4, steps=5, warmup_steps=1,
-                    save_every=100, log_every=1, export_dtype="float32", lr=3e-3, mesh=mesh)
-fit.run(cfg)
+data, root = sys.argv[1:3]
+for mesh in ("data=1", "data=2,fsdp=2"):
+    fit.run(fit.FitConfig(drafter="dspark", data=data, out=f"{root}/{mesh}", feature_layers=(0, 1),
+                          draft_vocab_size=64, num_layers=1, head_rank=8, block_size=3, seq_len=128, batch_size=4,
+                          anchors=4, steps=5, warmup_steps=1, save_every=100, log_every=1, export_dtype="float32",
+                          lr=3e-3, mesh=mesh))
 """
 
 
 def test_four_way_sharded_training_matches_one_device(tiny_train_data, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
                JAX_DEFAULT_MATMUL_PRECISION="highest", PYTHONPATH=REPO)
-    losses = {}
-    for mesh in ("data=1", "data=2,fsdp=2"):
-        out = str(tmp_path / mesh.replace(",", "_").replace("=", ""))
-        proc = subprocess.run([sys.executable, "-c", SHARDED, tiny_train_data, out, mesh], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        losses[mesh] = [r["loss"] for r in fit.read_log(os.path.join(out, "log.jsonl"))]
+    proc = subprocess.run([sys.executable, "-c", SHARDED, tiny_train_data, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {mesh: [r["loss"] for r in fit.read_log(os.path.join(tmp_path, mesh, "log.jsonl"))]
+              for mesh in ("data=1", "data=2,fsdp=2")}
     assert len(losses["data=1"]) == 5
     np.testing.assert_allclose(losses["data=2,fsdp=2"], losses["data=1"], rtol=2e-4)
 
@@ -105,3 +122,45 @@ def test_config_file_and_overrides(tmp_path):
         fit.parse_mesh("data=two")
     with pytest.raises(SystemExit, match="drafter"):
         fit.check_config(fit.FitConfig(drafter="medusa"))
+
+
+def test_fit_then_calibrate_then_evaluate(tiny_train_data, tmp_path, monkeypatch, dspark_run):
+    """The tail of the tiny end-to-end run (data and features are the tiny_train_data fixture)."""
+    import shutil
+
+    from dspark_jax import Engine, drafters, load_target
+    from dspark_jax.drafters import load_drafter
+
+    summary = dict(dspark_run[0])
+    summary["drafter"] = str(tmp_path / "dspark" / "drafter")
+    shutil.copytree(dspark_run[0]["drafter"], summary["drafter"])  # calibrate writes into the checkpoint
+    report = calibrate.run(calibrate.CalibrateConfig(drafter=summary["drafter"], data=tiny_train_data, max_prompts=4,
+                                                     max_new_tokens=12, slots=4))
+    temps = report["temperatures"]
+    assert len(temps) == 3 and all(t > 0 for t in temps) and report["rounds"] > 0
+    assert len(report["before"]) == len(report["after"]) == 3
+    assert os.path.isfile(os.path.join(summary["drafter"], "reliability.png"))
+    # The temperatures ship with the checkpoint, and an Engine made from it applies them.
+    with open(os.path.join(tiny_train_data, "meta.json")) as f:
+        target = load_target(json.load(f)["generation"]["model"])
+    drafter = load_drafter(summary["drafter"], target)
+    assert drafter.calibration["temperatures"] == temps
+    assert Engine(target, drafter, slots=1, max_len=128).settings.confidence_temperatures == tuple(temps)
+    # Shipped drafters load by name; an unknown name lists the names there are.
+    monkeypatch.setattr(drafters, "TRAINED_DIR", str(tmp_path / "trained"))
+    shutil.copytree(summary["drafter"], tmp_path / "trained" / "tiny-dspark")
+    assert drafters.trained_drafters() == ["tiny-dspark"]
+    assert load_drafter("tiny-dspark", target).calibration["temperatures"] == temps
+    with pytest.raises(FileNotFoundError, match="names: ngram, tiny-dspark"):
+        load_drafter("smollm2-135m-nothing", target)
+
+    results = evaluate.run(evaluate.EvaluateConfig(drafters=(summary["drafter"],), data=tiny_train_data,
+                                                   datasets=("sharegpt",), temperatures=(0.0,), block_sizes=(3,),
+                                                   max_prompts=3, max_new_tokens=10, slots=4, speed_batches=(1,),
+                                                   speed_new_tokens=8, repeats=1, out=str(tmp_path / "eval")))
+    (row,) = results["acceptance"]
+    assert row["drafter"] == "dspark" and 1.0 <= row["tau"] <= 4.0 and len(row["acceptance_per_position"]) == 3
+    (speed,) = results["speed"]
+    assert speed["plain_tok_s"] > 0 and speed["spec_tok_s"] > 0
+    assert "| dspark | sharegpt | 0 | 3 |" in (tmp_path / "eval" / "results.md").read_text()
+    assert np.isfinite(speed["speedup"])
