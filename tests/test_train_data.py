@@ -77,8 +77,11 @@ def test_selfdistilled_data_is_the_targets_greedy_output_and_resumes(tiny_chat_d
     ids = data.load_draft_vocab(cfg.out, 50)
     counts = np.bincount(np.concatenate([r["tokens"][r["prompt_len"]:] for r in train]), minlength=49152)
     assert counts[ids[0]] == counts.max() and len(set(ids.tolist())) == 50
-    assert summary["draft_vocab_coverage"]["50"] == pytest.approx(counts[ids].sum() / counts.sum())
-    assert summary["draft_vocab_coverage"]["100"] >= summary["draft_vocab_coverage"]["50"]
+    coverage = summary["draft_vocab_coverage"]
+    assert coverage["50"]["train"] == pytest.approx(counts[ids].sum() / counts.sum())
+    assert coverage["100"]["train"] >= coverage["50"]["train"]
+    held = np.bincount(np.concatenate([r["tokens"][r["prompt_len"]:] for r in val]), minlength=49152)
+    assert coverage["50"]["validation"] == pytest.approx(held[ids].sum() / held.sum())
 
     # Resume: only the missing shard is regenerated, to the same content.
     paths = data.shard_paths(cfg.out, "train")

@@ -159,12 +159,20 @@ def generate_responses(engine, examples: Sequence[Example], cfg: DataConfig, pro
     return [(r.tokens, r.finish_reason) for r in results]
 
 
+def assistant_counts(out: str, split: str, vocab_size: int) -> np.ndarray:
+    """[V] how often each id occurs among a split's assistant tokens."""
+    counts = np.zeros(vocab_size, np.int64)
+    for row in read_split(out, split):
+        np.add.at(counts, row["tokens"][row["prompt_len"]:], 1)
+    return counts
+
+
 def build_draft_vocab(out: str, sizes: Sequence[int], vocab_size: int) -> dict:
     """Top-N ids by frequency over the train split's assistant tokens, for each N; writes
-    draft_vocab_N.npz (ids most frequent first, counts) and returns {N: coverage}."""
-    counts = np.zeros(vocab_size, np.int64)
-    for row in read_split(out, "train"):
-        np.add.at(counts, row["tokens"][row["prompt_len"]:], 1)
+    draft_vocab_N.npz (ids most frequent first, counts) and returns {N: {"train": coverage,
+    "validation": coverage}} (the held-out figure is the honest one)."""
+    counts = assistant_counts(out, "train", vocab_size)
+    held_out = assistant_counts(out, "validation", vocab_size) if shard_paths(out, "validation") else None
     total = max(int(counts.sum()), 1)
     order = np.argsort(-counts, kind="stable")
     coverage = {}
@@ -175,7 +183,9 @@ def build_draft_vocab(out: str, sizes: Sequence[int], vocab_size: int) -> dict:
         cov = float(counts[ids].sum()) / total
         np.savez(os.path.join(out, f"draft_vocab_{n}.npz"), ids=ids, counts=counts[ids], coverage=cov,
                  total_tokens=total)
-        coverage[int(n)] = cov
+        coverage[int(n)] = {"train": cov}
+        if held_out is not None:
+            coverage[int(n)]["validation"] = float(held_out[ids].sum()) / max(int(held_out.sum()), 1)
     return coverage
 
 

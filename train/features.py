@@ -38,6 +38,8 @@ class FeaturesConfig:
     """Default: the model the data was generated with (meta.json)."""
     batch_tokens: int = 4096
     """Tokens per forward (rows of one length bucket are batched up to this)."""
+    splits: tuple[str, ...] = ("train", "validation")
+    """Splits to compute (training reads only train; calibration and evaluation need none)."""
 
 
 def features_dir(data: str, layers: Sequence[int]) -> str:
@@ -116,7 +118,7 @@ def run(cfg: FeaturesConfig) -> dict:
     bad = [l for l in cfg.layers if not -1 <= l < target.config.num_layers]
     if bad or list(cfg.layers) != sorted(set(cfg.layers)):
         raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")
-    todo = [(split, shard) for split in data_lib.SPLITS for shard in data_lib.shard_paths(cfg.data, split)
+    todo = [(split, shard) for split in cfg.splits for shard in data_lib.shard_paths(cfg.data, split)
             if not os.path.isfile(feature_path(cfg.data, cfg.layers, split, shard))]
     import time
 
