@@ -164,3 +164,13 @@ def test_fit_then_calibrate_then_evaluate(tiny_train_data, tmp_path, monkeypatch
     assert speed["plain_tok_s"] > 0 and speed["spec_tok_s"] > 0
     assert "| dspark | sharegpt | 0 | 3 |" in (tmp_path / "eval" / "results.md").read_text()
     assert np.isfinite(speed["speedup"])
+
+
+def test_config_file_through_the_command(tmp_path):
+    """`python -m train.fit --config FILE` accepts a config made with train.fit.FitConfig (the
+    command runs the module as __main__, a different copy of the class)."""
+    path = tmp_path / "c.py"
+    path.write_text("from train.fit import FitConfig\nconfig = FitConfig(drafter='dflash')\n")
+    proc = subprocess.run([sys.executable, "-m", "train.fit", "--config", str(path), "--steps", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode != 0 and "--steps must be >= 1" in proc.stderr + proc.stdout, proc.stderr[-2000:]

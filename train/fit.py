@@ -496,4 +496,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Config files import train.fit.FitConfig; run through that module (not this __main__ copy) so
+    # their config is an instance of the class load_config checks.
+    from train.fit import main as importable_main
+
+    importable_main()
