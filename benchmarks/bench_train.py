@@ -18,19 +18,8 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # warm up / compile
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -47,6 +36,7 @@ def main() -> None:
     import numpy as np
 
     from dspark_jax import load_target
+    from dspark_jax.profiling import best_seconds
     from train import data as data_lib
     from train import features as features_lib
     from train import fit
@@ -63,7 +53,7 @@ def main() -> None:
         nonlocal feats
         feats = features_lib.shard_features(target, rows, args.layers, batch_tokens=4096)
 
-    online_s = best_seconds(online, args.repeats)
+    online_s = best_seconds(online, repeats=args.repeats)
 
     # 2. cached: a batch read back from a memory-mapped bf16 file.
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +70,7 @@ def main() -> None:
                 out[i, :n] = bits[offsets[i]:offsets[i] + n]
             return features_lib.from_bf16_bits(out)
 
-        cached_s = best_seconds(cached, args.repeats)
+        cached_s = best_seconds(cached, repeats=args.repeats)
 
     # 3. drafter steps (single device) on a batch of the configs' shape.
     steps = {}

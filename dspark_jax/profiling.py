@@ -17,7 +17,9 @@ from dspark_jax.models.transformer import forward, logits_from_hidden
 from dspark_jax.sampling import row_keys
 
 
-def _best_seconds(fn, *args, repeats: int = 3) -> float:
+def best_seconds(fn, *args, repeats: int = 3) -> float:
+    """Best of `repeats` timed calls of fn(*args) after one warm-up call (which also compiles);
+    best-of rejects the noise of a shared machine, which only ever adds time."""
     jax.block_until_ready(fn(*args))  # compile and warm up
     best = float("inf")
     for _ in range(repeats):
@@ -66,7 +68,7 @@ def round_cost_split(engine, state: SlotState) -> dict[str, float]:
         jax.block_until_ready(out)
         target_best = min(target_best, time.perf_counter() - start)
     return {
-        "drafter_seconds_per_round": _best_seconds(draft_fn, params, dparams, state),
+        "drafter_seconds_per_round": best_seconds(draft_fn, params, dparams, state),
         "target_seconds_per_round": target_best,
-        "verify_seconds_per_round": _best_seconds(verify_fn, draft, logits, state),
+        "verify_seconds_per_round": best_seconds(verify_fn, draft, logits, state),
     }

@@ -122,13 +122,11 @@ def plot(report: dict, path: str) -> None:
 def run(cfg: CalibrateConfig) -> dict:
     from tqdm import tqdm
 
-    from dspark_jax import Engine, load_target
+    from dspark_jax import Engine
     from dspark_jax.drafters import load_drafter, save_drafter
     from train import data as data_lib
 
-    with open(os.path.join(cfg.data, data_lib.META)) as f:
-        meta = json.load(f)
-    target = load_target(cfg.model or meta["generation"]["model"])
+    target = data_lib.data_target(cfg.data, cfg.model)
     drafter = load_drafter(cfg.drafter, target)
     if not drafter.config.confidence_head:
         raise SystemExit(f"{cfg.drafter}: this {drafter.kind} drafter has no confidence head to calibrate")

@@ -199,6 +199,18 @@ def load_draft_vocab(out: str, size: int) -> np.ndarray:
         return z["ids"].astype(np.int32)
 
 
+def data_target(data_dir: str, model: str | None = None):
+    """The target a data folder was generated with (or `model`), for the programs that read it."""
+    from dspark_jax import load_target
+
+    path = os.path.join(data_dir, META)
+    if not os.path.isfile(path):
+        raise SystemExit(f"{data_dir}: no {META} (make the data first: python -m train.data --out {data_dir})")
+    with open(path) as f:
+        generated_with = json.load(f)["generation"]["model"]
+    return load_target(model or generated_with)
+
+
 def check_meta(cfg: DataConfig) -> None:
     """Refuse to resume into a folder made with different generation settings."""
     path = os.path.join(cfg.out, META)

@@ -142,13 +142,10 @@ def plot(results: dict, path: str) -> None:
 def run(cfg: EvaluateConfig) -> dict:
     from tqdm import tqdm
 
-    from dspark_jax import load_target
     from dspark_jax.drafters import load_drafter
     from train import data as data_lib
 
-    with open(os.path.join(cfg.data, data_lib.META)) as f:
-        meta = json.load(f)
-    target = load_target(cfg.model or meta["generation"]["model"])
+    target = data_lib.data_target(cfg.data, cfg.model)
     drafters = {path: load_drafter(path, target) for path in cfg.drafters}
     prompts = {name: dataset_prompts(name, cfg, target.tokenizer) for name in cfg.datasets}
     results = {"acceptance": [], "speed": []}

@@ -107,14 +107,7 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
 def run(cfg: FeaturesConfig) -> dict:
     from tqdm import tqdm
 
-    from dspark_jax import load_target
-
-    meta_path = os.path.join(cfg.data, data_lib.META)
-    if not os.path.isfile(meta_path):
-        raise SystemExit(f"{cfg.data}: no meta.json (make the data first: python -m train.data --out {cfg.data})")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    target = load_target(cfg.model or meta["generation"]["model"])
+    target = data_lib.data_target(cfg.data, cfg.model)
     bad = [l for l in cfg.layers if not -1 <= l < target.config.num_layers]
     if bad or list(cfg.layers) != sorted(set(cfg.layers)):
         raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")

@@ -311,10 +311,10 @@ def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: i
     """Best-of seconds of one training step on one device, on a batch of `rows` (token shards'
     rows) with their features `feature_bits` [tokens, m + 1, e] (benchmarks/bench_train.py).
     The draft vocabulary is a placeholder of the configured size: same cost as a real one."""
-    import jax
     import numpy as np
 
     from dspark_jax import sharding
+    from dspark_jax.profiling import best_seconds
     from train import features as features_lib
 
     mesh = sharding.make_mesh()
@@ -338,15 +338,9 @@ def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: i
     def once():
         nonlocal state
         state, metrics = t.step_fn(state, t.frozen, t.target_params, batch)
-        jax.block_until_ready(metrics["loss"])
+        return metrics["loss"]
 
-    once()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_seconds(once, repeats=repeats)
 
 
 def run(cfg: FitConfig) -> dict:
@@ -358,7 +352,6 @@ def run(cfg: FitConfig) -> dict:
 
     from dspark_jax import sharding
     from dspark_jax.drafters import Drafter, save_drafter, target_fingerprint
-    from dspark_jax.target import load_target
     from train import data as data_lib
     from train.loader import SequenceData
 
@@ -366,9 +359,7 @@ def run(cfg: FitConfig) -> dict:
     if cfg.distributed:
         jax.distributed.initialize()
     mesh = sharding.make_mesh(**parse_mesh(cfg.mesh))
-    with open(os.path.join(cfg.data, data_lib.META)) as f:
-        data_meta = json.load(f)
-    target = load_target(cfg.model or data_meta["generation"]["model"])
+    target = data_lib.data_target(cfg.data, cfg.model)
     tcfg = target.config
     dcfg = drafter_config(cfg, tcfg)
     train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len)
