@@ -125,6 +125,7 @@ def read_split(out: str, split: str) -> list[dict]:
 def select_examples(cfg: DataConfig, tokenizer, conversations) -> dict[str, list[Example]]:
     """The first cfg.conversations usable records, chat-templated, split by conversation."""
     from dspark_jax.prompts import encode_prompts
+    from train.sources import is_validation
 
     out = {split: [] for split in SPLITS}
     taken = 0
@@ -134,8 +135,6 @@ def select_examples(cfg: DataConfig, tokenizer, conversations) -> dict[str, list
         ids = encode_prompts(tokenizer, [conv.prompt], chat=True)[0]
         if len(ids) > cfg.max_prompt_tokens:
             continue
-        from train.sources import is_validation
-
         split = "validation" if is_validation(conv.conversation_id, cfg.val_fraction) else "train"
         out[split].append(Example(conversation_id=conv.conversation_id, prompt_ids=ids, seed=cfg.seed * 1_000_003 + taken))
         taken += 1

@@ -61,11 +61,10 @@ class SequenceData:
     def indices(self, seed: int, step: int, batch_size: int) -> np.ndarray:
         """Row indices of step `step`'s batch (epochs of seeded permutations, concatenated)."""
         n = len(self.rows)
-        out = []
-        for slot in range(step * batch_size, (step + 1) * batch_size):
-            epoch, offset = divmod(slot, n)
-            out.append(np.random.default_rng([seed, epoch]).permutation(n)[offset])
-        return np.asarray(out)
+        slots = np.arange(step * batch_size, (step + 1) * batch_size)
+        epochs, offsets = np.divmod(slots, n)
+        orders = {int(e): np.random.default_rng([seed, int(e)]).permutation(n) for e in np.unique(epochs)}
+        return np.asarray([orders[int(e)][o] for e, o in zip(epochs, offsets)])
 
     def batch(self, indices: Sequence[int], layer_ids: Sequence[int]) -> Batch:
         """The rows `indices`, padded to seq_len, with the stored layers `layer_ids` (a subset)."""
