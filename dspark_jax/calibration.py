@@ -7,8 +7,8 @@ position k survives verification (every draft token up to k accepted) is
 
 with one temperature per position fitted post hoc, left to right: T_k minimises the ECE of c_k
 against the realised survival indicators s_k = 1[accepted length >= k], earlier temperatures
-fixed. The fit and the metrics are host-side numpy (they run once, offline); `survival_probs`
-is the jnp form the Engine applies inside its step.
+fixed. The fit and the metrics are host-side numpy (they run once, offline); `confidence_probs`
+is the jnp form the Engine applies inside its step (dspark_jax.schedule takes the cumprod).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ TEMPERATURE_GRID = np.exp(np.linspace(np.log(0.05), np.log(20.0), 241))  # log-s
 ECE_BINS = 15
 
 
-def survival_probs(z, temperatures):
-    """c [..., G] = cumprod sigmoid(z / T) over positions (jnp; temperatures [G])."""
+def confidence_probs(z, temperatures):
+    """Per-position confidences sigmoid(z / T) [..., G] (jnp; temperatures [G]): the probability
+    that position k is accepted given that every earlier one was. Their cumprod is c_k."""
     import jax
-    import jax.numpy as jnp
 
-    return jnp.cumprod(jax.nn.sigmoid(z / temperatures), axis=-1)
+    return jax.nn.sigmoid(z / temperatures)
 
 
 def survival_probs_np(z: np.ndarray, temperatures: np.ndarray) -> np.ndarray:

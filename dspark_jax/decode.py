@@ -6,7 +6,9 @@ them ahead and donates the state. A round, per slot r at its own position P_r (a
 
   draft   the drafter proposes d_1..d_G after the anchor a (the last sampled token, not yet fed
           to the target); without a drafter G = 0 and a round is one plain decoding step;
-  length  l_r in [0, G] tokens go to verification (a fixed policy for now, cut by the budget);
+  length  l_r in [0, G] tokens go to verification, chosen on the device by the engine's policy
+          (dspark_jax.schedule: DSpark's load-aware prefix scheduler, its lagged variant, a
+          threshold, or the whole block) from the calibrated confidences, cut by the budget;
   verify  one target forward over [a, d_1..d_l] at positions P..P+l (at the smallest compiled
           width that holds every row's l + 1) writes KV and gives p_1..p_{l+1} and the features of
           those positions; verification accepts n_r <= l_r and gives the next token t_r;
@@ -26,7 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.calibration import survival_probs
+from dspark_jax import schedule as sched
+from dspark_jax.calibration import confidence_probs
 from dspark_jax.drafters.config import DraftOutput, DrafterConfig
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.transformer import KVCache, forward, init_cache, logits_from_hidden
@@ -67,6 +70,10 @@ class SlotState:
     committed: jax.Array  # [] int32 sum of n+1 over live slot-rounds (bonus included)
     tried: jax.Array  # [G] int32 live slot-rounds that verified position k having accepted 0..k-1
     accepted_at: jax.Array  # [G] int32 ... of which position k was accepted
+    # Calibrated confidences [slots, 2, G] of the last two rounds ([:, 0] the last one, [:, 1] the
+    # one before): the "dspark-lagged" policy sizes its batch budget from [:, 1]. A new engine
+    # starts from ones (no history: the budget is what the cost table alone allows).
+    lagged_confidences: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +91,7 @@ class DecodeSettings:
     # STS temperatures of the drafter's confidence head (DESIGN 5), one per drafted position; None:
     # uncalibrated (all 1). Fixed per drafter checkpoint, so static.
     confidence_temperatures: tuple[float, ...] | None = None
+    policy: str = "fixed"  # verification-length policy (dspark_jax.schedule.POLICIES)
 
     @property
     def block_size(self) -> int:
@@ -122,7 +130,8 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
                              top_p=jnp.ones((n,), jnp.float32)),
         seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
-        committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32))
+        committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
+        lagged_confidences=jnp.ones((n, 2, g), jnp.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -220,9 +229,9 @@ def free(state: SlotState, slot: jax.Array) -> SlotState:
         finish_reason=state.finish_reason.at[slot].set(NOT_FINISHED), unreported=state.unreported.at[slot].set(False))
 
 
-def schedule_lengths(state: SlotState, block_size: int) -> jax.Array:
-    """Fixed policy: verify the whole block, but never more than the row can still emit
-    (finished rows verify nothing, so they never widen the batch's verification forward)."""
+def length_caps(state: SlotState, block_size: int) -> jax.Array:
+    """[slots] the most draft tokens each row may verify: the block, but never more than the row
+    can still emit (finished rows verify nothing, so they never widen the verification forward)."""
     remaining = jnp.where(state.done, 0, state.budget - state.emitted)  # tokens the row may still emit
     return jnp.clip(remaining - 1, 0, block_size).astype(jnp.int32)
 
@@ -295,20 +304,33 @@ def no_draft(b: int, vocab: int) -> DraftOutput:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundTrace:
-    """Per round and row: raw confidence logits [b, G], calibrated survival [b, G], accepted [b]."""
+    """Per round and row: raw confidence logits [b, G], calibrated survival [b, G], verified
+    lengths [b] and accepted lengths [b] (-1 for a row that was not live)."""
 
     confidence_logits: jax.Array
     survival: jax.Array
+    lengths: jax.Array
     accepted: jax.Array
 
 
-def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundLoad:
+    """Per round: tokens in the verification forward (B = slots + verified drafts: the forward is
+    dense over the slots), and the policy's predicted tau (live rows + the survivals of the
+    verified drafts) and throughput (schedule.Schedule; 0 for rounds not run)."""
+
+    tokens: jax.Array
+    predicted_tau: jax.Array
+    predicted_throughput: jax.Array
+
+
+def decode_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, s: DecodeSettings):
     """One draft / verify / commit round for every live slot.
 
-    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace): row r emitted
-    emitted[r, keep[r]] this round (keep is a prefix mask); trace holds the round's raw confidence
-    logits [b, G], calibrated survival probabilities [b, G] and accepted lengths [b] (-1 for a
-    row that was not live), for calibration and the scheduler.
+    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace, load): row r emitted
+    emitted[r, keep[r]] this round (keep is a prefix mask); trace (RoundTrace) and load
+    (RoundLoad) describe the round for calibration, the scheduler's statistics and monitoring.
     """
     mod = drafter_module(s)
     g = s.block_size
@@ -319,14 +341,18 @@ def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
     rs = dataclasses.replace(state.sampling, temperature=jnp.where(live, state.sampling.temperature, 0.0))
     if mod is None:
         draft, dstate = no_draft(b, s.config.vocab_size), None
-        lengths = jnp.zeros((b,), jnp.int32)
     else:
         draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
         draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor, anchor_pos,
                                   draft_keys, rs)
-        lengths = schedule_lengths(state, g)  # [b]
-        if draft.proposed is not None:
-            lengths = jnp.minimum(lengths, draft.proposed)
+    caps = length_caps(state, g)  # [b]
+    if draft.proposed is not None:
+        caps = jnp.minimum(caps, draft.proposed)
+    z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
+    conf = jnp.where(live[:, None], confidence_probs(z, confidence_temperatures(s, g)), 0.0)  # [b, G]
+    plan = sched.schedule(s.policy if mod is not None else "none", conf, state.lagged_confidences[:, 1], caps, sp,
+                          live)
+    lengths = plan.lengths  # [b]
 
     block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, G+1]
     positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
@@ -367,12 +393,18 @@ def decode_round(params: dict, dparams, state: SlotState, *, s: DecodeSettings):
         row_rounds=state.row_rounds + live.sum(dtype=jnp.int32),
         committed=state.committed + committed_len.sum(dtype=jnp.int32),
         tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
-        accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32))
-    z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
-    temps = jnp.asarray(s.confidence_temperatures or (1.0,) * z.shape[1], jnp.float32)
-    trace = RoundTrace(confidence_logits=z, survival=survival_probs(z, temps),
+        accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32),
+        lagged_confidences=jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1))
+    trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
-    return state, emitted, keep, trace
+    load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
+                     predicted_throughput=plan.predicted_throughput)
+    return state, emitted, keep, trace, load
+
+
+def confidence_temperatures(s: DecodeSettings, g: int) -> jax.Array:
+    """[G] the STS temperatures of the drafter's confidence head (all 1 when uncalibrated)."""
+    return jnp.asarray(s.confidence_temperatures or (1.0,) * g, jnp.float32)
 
 
 
@@ -381,13 +413,14 @@ def step_width(rounds: int, block_size: int) -> int:
     return 1 + rounds * (block_size + 1)
 
 
-def step(params: dict, dparams, state: SlotState, *, rounds: int, s: DecodeSettings):
+def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, s: DecodeSettings):
     """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
 
     Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32,
-    trace): slot r committed tokens[r, :counts[r]] in this call, its first token (from insert)
-    included when unreported; trace is a RoundTrace with a rounds axis after the slots
-    ([slots, rounds, G] / [slots, rounds]; accepted -1 for rounds not run or rows not live).
+    trace, load): slot r committed tokens[r, :counts[r]] in this call, its first token (from
+    insert) included when unreported; trace is a RoundTrace with a rounds axis after the slots
+    ([slots, rounds, G] / [slots, rounds]; accepted -1 for rounds not run or rows not live) and
+    load a RoundLoad of [rounds] arrays.
     """
     b = state.anchor.shape[0]
     width = step_width(rounds, s.block_size)
@@ -397,21 +430,25 @@ def step(params: dict, dparams, state: SlotState, *, rounds: int, s: DecodeSetti
     rows = jnp.arange(b)[:, None]
     g = s.block_size
     trace = RoundTrace(confidence_logits=jnp.zeros((b, rounds, g), jnp.float32),
-                       survival=jnp.zeros((b, rounds, g), jnp.float32), accepted=jnp.full((b, rounds), -1, jnp.int32))
+                       survival=jnp.zeros((b, rounds, g), jnp.float32), lengths=jnp.zeros((b, rounds), jnp.int32),
+                       accepted=jnp.full((b, rounds), -1, jnp.int32))
+    load = RoundLoad(tokens=jnp.zeros((rounds,), jnp.int32), predicted_tau=jnp.zeros((rounds,), jnp.float32),
+                     predicted_throughput=jnp.zeros((rounds,), jnp.float32))
 
     def cond(carry):
-        i, st, _, _, _ = carry
+        i, st = carry[:2]
         return (i < rounds) & jnp.any(~st.done)
 
     def body(carry):
-        i, st, out, counts, trace = carry
-        st, emitted, keep, now = decode_round(params, dparams, st, s=s)
+        i, st, out, counts, trace, load = carry
+        st, emitted, keep, now, now_load = decode_round(params, dparams, st, sp, s=s)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
         out = out.at[rows, at].set(emitted, mode="drop")
         trace = jax.tree.map(lambda buf, x: buf.at[:, i].set(x), trace, now)
-        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace
+        load = jax.tree.map(lambda buf, x: buf.at[i].set(x), load, now_load)
+        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace, load
 
-    ran, state, out, counts, trace = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), state, out, counts, trace))
-    return state, out, counts, ran, trace
+    ran, state, out, counts, trace, load = jax.lax.while_loop(
+        cond, body, (jnp.zeros((), jnp.int32), state, out, counts, trace, load))
+    return state, out, counts, ran, trace, load

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, Sequence
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax import decode
+from dspark_jax import schedule as sched
 from dspark_jax.decode import DecodeSettings, Requests, SlotState
 from dspark_jax.drafters import vocab
 from dspark_jax.prompts import PromptError
@@ -53,6 +55,12 @@ class StepOutput:
     round_accepted: list[list[int]] = dataclasses.field(default_factory=list)
     round_confidence_logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # [rounds_live, G]
     round_survival: list[np.ndarray] = dataclasses.field(default_factory=list)  # [rounds_live, G]
+    round_lengths: list[list[int]] = dataclasses.field(default_factory=list)  # draft tokens verified
+    # Per round run: tokens in the verification forward (slots + verified drafts), and what
+    # the policy predicted for the round (expected committed tokens, and tokens per second).
+    round_tokens: list[int] = dataclasses.field(default_factory=list)
+    round_predicted_tau: list[float] = dataclasses.field(default_factory=list)
+    round_predicted_throughput: list[float] = dataclasses.field(default_factory=list)
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -91,7 +99,8 @@ class Engine:
     """Decode slots over a target and an optional drafter; see the module docstring."""
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 2048, block_size: int | None = None,
-                 verifier: str = "jnp", mesh=None, rules=None):
+                 verifier: str = "jnp", mesh=None, rules=None, policy: str = "fixed", sps_table=None,
+                 threshold: float = sched.DEFAULT_THRESHOLD):
         if not isinstance(slots, (int, np.integer)) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         if verifier not in VERIFIERS:
@@ -114,11 +123,24 @@ class Engine:
                 dconfig = dataclasses.replace(dconfig, block_size=int(block_size))
         elif block_size is not None:
             raise ValueError("block_size needs a drafter (drafter=None is plain autoregressive decoding)")
+        sched.check_policy(policy)
+        if drafter is None:
+            policy = "none"  # nothing to schedule without a drafter
+        if policy == "none":
+            dconfig = None  # plain decoding through the same engine: the drafter never runs
         self.target = target
         self.drafter = drafter
+        self.policy = policy
         self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
-                                       verifier=verifier,
+                                       verifier=verifier, policy=policy,
                                        confidence_temperatures=confidence_temperatures(drafter, dconfig))
+        self.cost_table: sched.CostTable | None = None
+        self._schedule = sched.ScheduleParams(
+            sps_table=jnp.zeros((sched.table_size(int(slots), self.settings.block_size),), jnp.float32),
+            threshold=jnp.asarray(check_threshold(threshold), jnp.float32),
+            max_length=jnp.asarray(self.settings.block_size, jnp.int32))
+        if sps_table is not None:
+            self.sps_table = sps_table
         self.prefill_buckets = prefill_buckets(max_len)
         self.attention_spans = attention_spans(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
@@ -127,7 +149,7 @@ class Engine:
         self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         self._params = target.params
         # The draft vocabulary's LM-head rows are gathered once here, not in every round.
-        self._dparams = None if drafter is None else vocab.bind_head(drafter.params, target.params)
+        self._dparams = None if dconfig is None else vocab.bind_head(drafter.params, target.params)
         self._state_shardings = None
         if self.mesh is not None:
             self._place_on_mesh(rules)
@@ -165,6 +187,51 @@ class Engine:
     def extra_positions(self) -> int:
         """Cache positions a request needs beyond prompt + budget (a round verifies G+1 tokens)."""
         return 0 if self.settings.dconfig is None else self.block_size + 1
+
+    @property
+    def sps_table(self) -> np.ndarray | None:
+        """SPS(B) [slots * (G + 1) + 1], the cost table the dspark policies read (None: not yet
+        profiled or given)."""
+        return None if self.cost_table is None else np.asarray(self.cost_table.table, np.float32)
+
+    @sps_table.setter
+    def sps_table(self, table) -> None:
+        """A CostTable, its JSON path, or an array SPS(B) for B = 0, 1, ...: entries past the
+        engine's largest B are dropped, missing ones are 0 (such a batch is never scheduled).
+        A new table is data for the compiled steps: it compiles nothing."""
+        if isinstance(table, (str, os.PathLike)):
+            table = sched.CostTable.load(os.fspath(table))
+        if isinstance(table, sched.CostTable):
+            cost = table
+            values = np.asarray(table.table, np.float32)
+        else:
+            values = np.asarray(table, np.float32)
+            cost = sched.CostTable(slots=self.slots, block_size=self.block_size, widths=[], steps_per_second=[],
+                                   table=values.tolist())
+        if values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)) or np.any(values < 0):
+            raise ValueError("sps_table must be a non-empty 1-D array of finite steps per second >= 0, "
+                             f"got shape {values.shape}")
+        size = sched.table_size(self.slots, self.block_size)
+        padded = np.zeros((size,), np.float32)
+        padded[:min(size, values.size)] = values[:size]
+        self.cost_table = cost
+        self._schedule = dataclasses.replace(self._schedule, sps_table=jnp.asarray(padded))
+
+    @property
+    def threshold(self) -> float:
+        """Survival threshold of the "threshold" policy (data: setting it compiles nothing)."""
+        return float(self._schedule.threshold)
+
+    @threshold.setter
+    def threshold(self, value: float) -> None:
+        self._schedule = dataclasses.replace(self._schedule,
+                                             threshold=jnp.asarray(check_threshold(value), jnp.float32))
+
+    def profile(self, max_tokens: int | None = None) -> sched.CostTable:
+        """Measure this engine's cost table (schedule.profile_sps) and use it."""
+        table = sched.profile_sps(self, max_tokens)
+        self.sps_table = table
+        return table
 
     @property
     def weights(self):
@@ -212,9 +279,13 @@ class Engine:
         s = self.settings
         return lambda p, dp, state, req: decode.insert(p, dp, state, req, s=s)
 
-    def _step_fn(self, rounds: int, span: int):
-        s = dataclasses.replace(self.settings, kv_len=span)
-        return lambda p, dp, state: decode.step(p, dp, state, rounds=rounds, s=s)
+    def _step_fn(self, rounds: int, span: int, policy: str):
+        s = dataclasses.replace(self.settings, kv_len=span, policy=policy)
+        return lambda p, dp, state, sp: decode.step(p, dp, state, sp, rounds=rounds, s=s)
+
+    def _step_program(self, rounds: int, span: int, policy: str):
+        args = (self._state_shape(), self._schedule)
+        return self._program(f"step{rounds}@{span}:{policy}", self._step_fn(rounds, span, policy), args, (0,))
 
     def span_for(self, state: SlotState, rounds: int) -> int:
         """The smallest attention span holding every live row through `rounds` more rounds (a
@@ -239,7 +310,8 @@ class Engine:
     def warmup(self, rounds: Sequence[int] = (1,), insert_batches: Sequence[int] = (1,)) -> float:
         """Compile every program a request can need ahead: the insert program for each prompt
         bucket and each batch size in `insert_batches` (powers of two), a step for each value in
-        `rounds` and each attention span, and free. Returns the seconds it took."""
+        `rounds` and each attention span, and free. A dspark policy without a cost table then
+        profiles one (schedule.profile_sps). Returns the seconds it took."""
         start = time.perf_counter()
         self.new_state()
         state = self._state_shape()
@@ -248,8 +320,10 @@ class Engine:
                 self._program("insert", self._insert_fn(), (state, self._abstract_requests(pow2(n), length)), (0,))
         for r in rounds:
             for span in self.attention_spans:
-                self._program(f"step{int(r)}@{span}", self._step_fn(int(r), span), (state,), (0,))
+                self._step_program(int(r), span, self.policy)
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
+        if self.policy in sched.TABLE_POLICIES and self.cost_table is None:
+            self.profile()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ requests
@@ -310,17 +384,35 @@ class Engine:
             seed_key=np.stack([seed_key(p.seed) for p in params]))
         return self._run("insert", self._insert_fn(), (state, req), (0,))
 
-    def step(self, state: SlotState, rounds: int = 1) -> tuple[SlotState, StepOutput]:
+    def step(self, state: SlotState, rounds: int = 1, *, policy: str | None = None,
+             max_length: int | None = None) -> tuple[SlotState, StepOutput]:
         """Run up to `rounds` decoding rounds for every live slot in one device loop and copy
-        the committed tokens to the host once."""
+        the committed tokens to the host once.
+
+        `policy` overrides the engine's verification-length policy for this call (one compiled
+        program per policy); `max_length` caps the draft tokens any row verifies (data: any value
+        in [0, G] runs the same program)."""
         if not isinstance(rounds, (int, np.integer)) or rounds < 1:
             raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+        policy = self.policy if policy is None else sched.check_policy(policy)
+        if self.settings.dconfig is None:
+            policy = "none"  # plain decoding: there is nothing to schedule
+        elif policy == "none":
+            raise ValueError("policy='none' per call needs an engine built with policy='none' (the drafter's "
+                             "context must follow every round)")
+        sp = self._schedule
+        if max_length is not None:
+            if not isinstance(max_length, (int, np.integer)) or not 0 <= max_length <= self.block_size:
+                raise ValueError(f"max_length must be an integer in [0, {self.block_size}], got {max_length!r}")
+            sp = dataclasses.replace(sp, max_length=jnp.asarray(max_length, jnp.int32))
+        if policy in sched.TABLE_POLICIES and self.cost_table is None:
+            self.profile()  # once, before the first step that needs the table
         span = self.span_for(state, int(rounds))
-        state, tokens, counts, ran, trace = self._run(f"step{int(rounds)}@{span}", self._step_fn(int(rounds), span),
-                                                      (state,), (0,))
-        tokens, counts, occupied, done, reason, drafted, accepted, ran, trace = jax.device_get(
+        program = self._step_program(int(rounds), span, policy)
+        state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)
+        tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load = jax.device_get(
             (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,
-             trace))
+             trace, load))
         finished = occupied & done
         live = [trace.accepted[i] >= 0 for i in range(self.slots)]  # [rounds] per slot
         out = StepOutput(
@@ -329,7 +421,10 @@ class Engine:
             drafted=drafted.tolist(), accepted=accepted.tolist(), rounds=int(ran),
             round_accepted=[trace.accepted[i][live[i]].tolist() for i in range(self.slots)],
             round_confidence_logits=[trace.confidence_logits[i][live[i]] for i in range(self.slots)],
-            round_survival=[trace.survival[i][live[i]] for i in range(self.slots)])
+            round_survival=[trace.survival[i][live[i]] for i in range(self.slots)],
+            round_lengths=[trace.lengths[i][live[i]].tolist() for i in range(self.slots)],
+            round_tokens=load.tokens[:ran].tolist(), round_predicted_tau=load.predicted_tau[:ran].tolist(),
+            round_predicted_throughput=load.predicted_throughput[:ran].tolist())
         return state, out
 
     def free(self, state: SlotState, slot: int) -> SlotState:
@@ -337,6 +432,12 @@ class Engine:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
             raise SlotError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
         return self._run("free", self._free_fn, (state, np.int32(slot)), (0,))
+
+
+def check_threshold(threshold) -> float:
+    if not isinstance(threshold, (int, float, np.floating, np.integer)) or not 0.0 < float(threshold) <= 1.0:
+        raise ValueError(f"threshold must be a survival probability in (0, 1], got {threshold!r}")
+    return float(threshold)
 
 
 def pow2(n: int) -> int:

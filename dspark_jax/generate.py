@@ -12,6 +12,7 @@ import numpy as np
 from dspark_jax.engine import Engine, pow2
 from dspark_jax.prompts import bucket, check_prompts, encode_prompts
 from dspark_jax.sampling import SamplingParams
+from dspark_jax.schedule import TABLE_POLICIES
 from dspark_jax.target import Target
 
 # Rounds per Engine.step call: each call copies its tokens to the host once.
@@ -40,14 +41,15 @@ def row_seed(seed: int, row: int) -> int:
     return int(np.random.SeedSequence([seed, row]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-def engine_for(target: Target, drafter, slots: int, max_len: int, block_size: int | None, verifier: str) -> Engine:
+def engine_for(target: Target, drafter, slots: int, max_len: int, block_size: int | None, verifier: str,
+               policy: str = "fixed") -> Engine:
     """An Engine of these shapes, kept on the target so repeated calls reuse its compiled programs
-    (the Engine checks the drafter against the target and the block size)."""
-    key = (id(drafter), slots, max_len, block_size, verifier)
+    (and its profiled cost table); the Engine checks the drafter against the target."""
+    key = (id(drafter), slots, max_len, block_size, verifier, policy)
     engine = target.engines.get(key)
     if engine is None or engine.drafter is not drafter:
         engine = Engine(target, drafter, slots=slots, max_len=max_len, block_size=block_size, verifier=verifier,
-                        mesh=target.mesh)
+                        mesh=target.mesh, policy=policy)
         target.engines[key] = engine
     return engine
 
@@ -67,6 +69,8 @@ def generate(
     verifier: str = "jnp",
     profile: bool = False,
     ignore_eos: bool = False,
+    policy: str = "fixed",
+    sps_table=None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt; rows stop at their own EOS.
 
@@ -79,6 +83,11 @@ def generate(
     one target forward and commits the accepted prefix; the output distribution is the target's
     (identical tokens when greedy). `verifier` picks the jnp reference or the "pallas" kernel.
     `profile` adds a per-round cost split (each part jitted and timed alone) to the stats.
+
+    `policy` picks how many draft tokens each round verifies (dspark_jax.schedule): "fixed" (the
+    whole block), "dspark" (the load-aware prefix scheduler) or "dspark-lagged" (both read the
+    engine's cost table: `sps_table`, else profiled once per engine), "threshold", or "none"
+    (plain decoding).
 
     Runs on an Engine with one slot per prompt (slots bucketed to a power of two, the cache to
     the bucketed need); the engine is kept on the target, so a repeated call compiles nothing.
@@ -95,7 +104,11 @@ def generate(
     check_prompts(ids, target.config, max_new_tokens, extra)
     max_len = min(bucket(max(len(r) for r in ids) + max_new_tokens + extra, minimum=128),
                   target.config.max_position_embeddings)
-    engine = engine_for(target, drafter, pow2(len(ids)), max_len, block_size, verifier)
+    engine = engine_for(target, drafter, pow2(len(ids)), max_len, block_size, verifier, policy)
+    if sps_table is not None:
+        engine.sps_table = sps_table
+    if engine.cost_table is None and engine.policy in TABLE_POLICIES and engine.settings.dconfig is not None:
+        engine.profile()  # once per engine, outside the timed generation
     compile_before = engine.compile_seconds
     start = time.perf_counter()
 
@@ -103,7 +116,7 @@ def generate(
     requests = [(i, row, dataclasses.replace(params, seed=row_seed(seed, i))) for i, row in enumerate(ids)]
     state = engine.insert_many(state, requests)
     split = {}
-    if profile and drafter is not None:
+    if profile and engine.settings.dconfig is not None:
         from dspark_jax.profiling import round_cost_split
 
         split = round_cost_split(engine, state)
@@ -115,8 +128,8 @@ def generate(
         for i in range(len(ids)):
             token_ids[i].extend(out.tokens[i])
             finished[i] = out.finished[i]
-    forwards, row_rounds, committed, tried, accepted = jax.device_get(
-        (state.forwards, state.row_rounds, state.committed, state.tried, state.accepted_at))
+    forwards, row_rounds, committed, tried, accepted, drafted = jax.device_get(
+        (state.forwards, state.row_rounds, state.committed, state.tried, state.accepted_at, state.drafted))
     compile_seconds = engine.compile_seconds - compile_before
     wall = time.perf_counter() - start - compile_seconds - sum(split.values())
 
@@ -130,9 +143,11 @@ def generate(
         "batch_bucket": engine.slots,
         "max_len": engine.max_len,
     }
-    if drafter is not None:
+    if engine.settings.dconfig is not None:
         stats.update({
             "drafter": drafter.config.kind,
+            "policy": engine.policy,
+            "verified_per_round": float(drafted[:len(ids)].sum()) / max(int(row_rounds), 1),
             "block_size": engine.block_size,
             "tau": float(committed) / max(int(row_rounds), 1),
             "acceptance_per_position": [float(a) / float(t) if t else None for a, t in zip(accepted, tried)],

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dspark_jax import calibration as cal
+from dspark_jax.schedule import survival
 
 
 def _miscalibrated(n=20000, g=4, scale=(0.4, 2.5, 1.0, 3.0), seed=0):
@@ -36,7 +37,8 @@ def test_survival_labels_and_jnp_form():
                                   [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
     z = np.array([[0.3, -1.0, 2.0]])
     t = np.array([0.5, 2.0, 1.0])
-    np.testing.assert_allclose(np.asarray(cal.survival_probs(z, t)), cal.survival_probs_np(z, t), rtol=1e-6)
+    surv = survival(cal.confidence_probs(z, t))  # the engine's form: per-position, then the scheduler's cumprod
+    np.testing.assert_allclose(np.asarray(surv), cal.survival_probs_np(z, t), rtol=1e-6)
 
 
 def test_metrics_against_direct_definitions():

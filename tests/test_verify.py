@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import pallas_kernels
+from chisquare import chi2
 from pallas_kernels import verify_block as pallas_verify_block
 from pallas_kernels.verify_block import _triton_totals
 from pallas_kernels.verify_block_ref import chunk_totals, fold_halves, positive
@@ -36,39 +37,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G = 4
 V = 16
 N = 100_000
-Z = 5.0
 
 
 # ----------------------------------------------------------------- helpers
-def _chi2_threshold(df, z=Z):
-    """Wilson-Hilferty upper quantile of chi-square(df) at standard score z."""
-    c = 2.0 / (9.0 * df)
-    return df * (1.0 - c + z * np.sqrt(c)) ** 3
-
-
-def _chi2(samples, probs):
-    """(stat, threshold) of a goodness-of-fit test of int samples vs probs.
-
-    Cells with expected count < 5 are pooled; any sample in a zero-probability
-    cell makes the statistic infinite.
-    """
-    probs = np.asarray(probs, np.float64).ravel()
-    probs = probs / probs.sum()
-    counts = np.bincount(np.asarray(samples).ravel(), minlength=probs.size)
-    assert counts.size == probs.size
-    n = counts.sum()
-    if np.any(counts[probs == 0] > 0):
-        return np.inf, 0.0
-    expected = n * probs
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big & (probs > 0)].sum())
-    exp = np.append(expected[big], expected[~big & (probs > 0)].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = float(np.sum((obs - exp) ** 2 / exp))
-    return stat, _chi2_threshold(max(obs.size - 1, 1))
-
-
 def _normalise(x):
     x = np.asarray(x, np.float64)
     return (x / x.sum(-1, keepdims=True)).astype(np.float32)
@@ -171,7 +142,7 @@ def test_reference_lossless_first_token(name):
         n_acc = np.asarray(n_acc)
         assert np.all(n_acc <= length) and np.all(n_acc >= 0)
         first, _ = _first_two(tok, n_acc, nxt, p[1], seed=0)
-        stat, thr = _chi2(first, p[0])
+        stat, thr = chi2(first, p[0])
         assert stat < thr, (name, length, stat, thr)
 
 
@@ -183,7 +154,7 @@ def test_reference_lossless_first_two_tokens(name):
         n_acc, nxt = _run_broadcast(verify_block, tok, p, q, lengths, u)
         first, second = _first_two(tok, n_acc, nxt, p[1], seed=length)
         joint = np.outer(p[0].astype(np.float64), p[1].astype(np.float64))
-        stat, thr = _chi2(first * V + second, joint)
+        stat, thr = chi2(first * V + second, joint)
         assert stat < thr, (name, length, stat, thr)
 
 
@@ -196,12 +167,12 @@ def test_biased_rules_are_detected(kind):
     biased = functools.partial(_biased_verify, kind)
     n_acc, nxt = _run_broadcast(biased, tok, p, q, lengths, u)
     first, _ = _first_two(tok, n_acc, nxt, p[1], seed=0)
-    stat, thr = _chi2(first, p[0])
+    stat, thr = chi2(first, p[0])
     assert stat > 3 * thr, (kind, stat, thr)
     # Control: the correct rule passes on identical inputs.
     n_acc, nxt = _run_broadcast(verify_block, tok, p, q, lengths, u)
     first, _ = _first_two(tok, n_acc, nxt, p[1], seed=0)
-    stat, thr = _chi2(first, p[0])
+    stat, thr = chi2(first, p[0])
     assert stat < thr
 
 
@@ -213,11 +184,11 @@ def test_pallas_lossless_first_token(name):
         tok, lengths, u = _draw_inputs(p, q, length, n, seed=30 + length)
         n_acc, nxt = _run_broadcast(pallas_verify_block, tok, p, q, lengths, u)
         first, second = _first_two(tok, n_acc, nxt, p[1], seed=length)
-        stat, thr = _chi2(first, p[0])
+        stat, thr = chi2(first, p[0])
         assert stat < thr, (name, length, stat, thr)
         if length == G:
             joint = np.outer(p[0].astype(np.float64), p[1].astype(np.float64))
-            stat, thr = _chi2(first * V + second, joint)
+            stat, thr = chi2(first * V + second, joint)
             assert stat < thr, (name, "joint", stat, thr)
 
 
@@ -229,7 +200,7 @@ def test_triton_kernel_lossless_first_token(name):
         tok, lengths, u = _draw_inputs(p, q, length, 50_000, seed=30 + length)
         n_acc, nxt = _run_broadcast(triton, tok, p, q, lengths, u)
         first, _ = _first_two(tok, n_acc, nxt, p[1], seed=length)
-        stat, thr = _chi2(first, p[0])
+        stat, thr = chi2(first, p[0])
         assert stat < thr, (name, length, stat, thr)
 
 

@@ -1,0 +1,328 @@
+"""Load-aware verification length (DESIGN.md section 7): the cost table and the policies.
+
+Every round, each live row r has calibrated confidences c_{r,1..G} from the drafter's confidence
+head (sigmoid of the logit over its STS temperature): c_{r,j} is the probability that draft token
+j is accepted given that 1..j-1 were. Its survival a_{r,j} = prod_{k<=j} c_{r,k} is the
+probability that token j is accepted. Verifying l_r tokens of row r costs one target forward
+over B = sum_r (1 + l_r) tokens and is expected to commit tau = sum_r (1 + sum_{j<=l_r} a_{r,j})
+tokens (the engine's forward is dense over its slots, so a free slot adds its 1 to B but commits
+nothing: tau's first term counts live rows); the hardware runs SPS(B) such steps per second (the profiled cost table), so the
+expected throughput is Theta = tau * SPS(B). The policies, all jnp code that runs inside the
+engine's step (no host round trip; load, table and threshold are data, never compile keys):
+
+  dspark         Algorithm 1 of the paper: admit the (r, j) in order of survival (ties: row, then
+                 position) while Theta rises, and stop at the first admission that does not
+                 raise it. The stop is what keeps it lossless: whether token j of row r is
+                 verified depends only on tokens before it (section 7's counterexample shows a
+                 global search is biased).
+  dspark-lagged  the production variant: the batch budget K comes from a global search over
+                 the confidences of two rounds earlier (which cannot see this round's tokens),
+                 then the K best current candidates are verified (prefixes by construction).
+  threshold      l_r = the largest j with a_{r,j} >= theta.
+  fixed          l_r = G (every row verifies the whole block).
+  none           no drafting: plain decoding through the same engine.
+
+Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_length`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+POLICIES = ("dspark", "dspark-lagged", "threshold", "fixed", "none")
+# Policies that read the cost table (an engine without one profiles it at warmup).
+TABLE_POLICIES = ("dspark", "dspark-lagged")
+DEFAULT_THRESHOLD = 0.5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ScheduleParams:
+    """The scheduler's runtime inputs (device arrays passed to every step; new values never
+    compile anything)."""
+
+    sps_table: jax.Array  # [Bmax + 1] float32 verification steps per second at B total tokens
+    threshold: jax.Array  # [] float32 survival threshold of the "threshold" policy
+    max_length: jax.Array  # [] int32 most draft tokens any row verifies in a round (<= G)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Schedule:
+    """One round's decision: lengths per row and what the cost model expects of it."""
+
+    lengths: jax.Array  # [R] int32 draft tokens each row verifies
+    tokens: jax.Array  # [] int32 B = sum_r (1 + l_r), tokens in the verification forward
+    predicted_tau: jax.Array  # [] float32 expected committed tokens, sum_r (1 + sum_{j<=l_r} a_{r,j})
+    predicted_throughput: jax.Array  # [] float32 predicted_tau * SPS(B), tokens per second
+
+
+def check_policy(policy: str) -> str:
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return policy
+
+
+# ----------------------------------------------------------------------------- pieces
+def survival(confidences: jax.Array) -> jax.Array:
+    """a [R, G] = cumprod of the per-position confidences [R, G] (clipped to [0, 1])."""
+    return jnp.cumprod(jnp.clip(confidences.astype(jnp.float32), 0.0, 1.0), axis=-1)
+
+
+def sps_at(sps_table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """SPS(B) for int B [...]; 0 past the end of the table (such a batch cannot be run)."""
+    inside = tokens < sps_table.shape[0]
+    return jnp.where(inside, sps_table[jnp.clip(tokens, 0, sps_table.shape[0] - 1)], 0.0)
+
+
+def candidates(surv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every (r, j) in admission order: survival descending, then row, then position (a stable
+    sort of the row-major flattening). Returns (flat indices [R*G], their survivals [R*G])."""
+    flat = surv.reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    return order, flat[order]
+
+
+def lengths_of(order: jax.Array, admitted: jax.Array, rows: int, block: int) -> jax.Array:
+    """l [R] int32: admitted candidates per row (they are prefixes, so the count is the length)."""
+    return jnp.zeros((rows,), jnp.int32).at[order // block].add(admitted.astype(jnp.int32))
+
+
+def base_tau(rows: int, live: jax.Array | None) -> jax.Array:
+    """Tokens a round commits with no draft verified: one per live row (all R when live is None;
+    a free slot still runs in the forward, so B always starts at R)."""
+    return jnp.float32(rows) if live is None else jnp.sum(live).astype(jnp.float32)
+
+
+def _path(sorted_surv: jax.Array, sps_table: jax.Array, rows: int, live: jax.Array | None = None) -> jax.Array:
+    """Theta_k [N + 1] for k = 0..N admitted candidates of the sorted path (float32 sums)."""
+    tau = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(sorted_surv)]) + base_tau(rows, live)
+    tokens = rows + jnp.arange(sorted_surv.shape[0] + 1, dtype=jnp.int32)
+    return tau * sps_at(sps_table, tokens)
+
+
+def schedule_of(lengths: jax.Array, surv: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> Schedule:
+    """The Schedule of given lengths: B, the expected tau and throughput under the table."""
+    rows, block = surv.shape
+    verified = jnp.arange(block)[None, :] < lengths[:, None]  # [R, G]
+    tau = base_tau(rows, live) + jnp.sum(jnp.where(verified, surv, 0.0))
+    tokens = (rows + jnp.sum(lengths)).astype(jnp.int32)
+    return Schedule(lengths=lengths.astype(jnp.int32), tokens=tokens, predicted_tau=tau,
+                    predicted_throughput=tau * sps_at(sps_table, tokens))
+
+
+# ----------------------------------------------------------------------------- policies
+def prefix_schedule(confidences: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """DSpark's Algorithm 1 with its early stop, vectorised.
+
+    confidences [R, G] calibrated c_{r,j} (rows of free slots all zero); sps_table [Bmax + 1]
+    steps per second indexed by total tokens B; live [R] bool (optional): rows that commit a
+    token this round (default all), so free slots add cost but no tokens. Returns lengths [R] int32.
+    """
+    rows, block = confidences.shape
+    order, ranked = candidates(survival(confidences))
+    theta = _path(ranked, sps_table, rows, live)  # [N + 1]
+    # Admission i (0-based) moves Theta from theta[i] to theta[i + 1]; the first one that does not
+    # raise it, or that has nothing to gain (survival 0), stops the scan.
+    stop = (theta[1:] <= theta[:-1]) | (ranked <= 0.0)
+    count = jnp.where(stop.any(), jnp.argmax(stop), ranked.shape[0])
+    return lengths_of(order, jnp.arange(ranked.shape[0]) < count, rows, block)
+
+
+def lagged_schedule(confidences: jax.Array, lagged_confidences: jax.Array, sps_table: jax.Array,
+                    live: jax.Array | None = None) -> jax.Array:
+    """The production variant: K = the best number of admitted candidates by a global search over
+    `lagged_confidences` [R, G] (two rounds old), then the K best current candidates."""
+    rows, block = confidences.shape
+    _, lagged = candidates(survival(lagged_confidences))
+    theta = _path(lagged, sps_table, rows, live)
+    useful = jnp.concatenate([jnp.ones((1,), bool), lagged > 0.0])  # no admission of a zero
+    budget = jnp.argmax(jnp.where(useful, theta, -1.0))  # the first maximum
+    order, ranked = candidates(survival(confidences))
+    admitted = (jnp.arange(ranked.shape[0]) < budget) & (ranked > 0.0)
+    return lengths_of(order, admitted, rows, block)
+
+
+def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array:
+    """l_r = the largest j with a_{r,j} >= threshold (survival is non-increasing in j)."""
+    surv = survival(confidences)
+    return jnp.sum((surv >= threshold) & (surv > 0.0), axis=-1).astype(jnp.int32)
+
+
+def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:
+    """Zero the confidences of positions past each row's cap [R] (they cannot be verified)."""
+    j = jnp.arange(confidences.shape[-1])[None, :]
+    return jnp.where(j < caps[:, None], confidences, 0.0)
+
+
+def schedule(policy: str, confidences: jax.Array, lagged_confidences: jax.Array, caps: jax.Array,
+             params: ScheduleParams, live: jax.Array | None = None) -> Schedule:
+    """The round's Schedule under `policy` (static) for confidences [R, G], the confidences of
+    two rounds earlier [R, G] (dspark-lagged), per-row caps [R] (0 for rows not decoding) and
+    the live rows [R] (None: all)."""
+    caps = jnp.minimum(caps, params.max_length)
+    conf = cap_confidences(confidences, caps)
+    if policy == "dspark":
+        lengths = prefix_schedule(conf, params.sps_table, live)
+    elif policy == "dspark-lagged":
+        lengths = lagged_schedule(conf, cap_confidences(lagged_confidences, caps), params.sps_table, live)
+    elif policy == "threshold":
+        lengths = threshold_lengths(conf, params.threshold)
+    elif policy == "fixed":
+        lengths = jnp.full(caps.shape, confidences.shape[-1], jnp.int32)
+    elif policy == "none":
+        lengths = jnp.zeros(caps.shape, jnp.int32)
+    else:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return schedule_of(jnp.minimum(lengths, caps), survival(conf), params.sps_table, live)
+
+
+# ----------------------------------------------------------------------------- the cost table
+def table_size(slots: int, block_size: int) -> int:
+    """Entries of an engine's table: B = 0 .. slots * (G + 1)."""
+    return slots * (block_size + 1) + 1
+
+
+def staircase(slots: int, widths: Sequence[int], steps_per_second: Sequence[float], size: int) -> np.ndarray:
+    """The table [size] from steps per second measured at each compiled width: a forward of B
+    tokens runs at the smallest compiled width w with slots * w >= B (the engine's forward is
+    dense over slots x width), and B past the widest is 0 (it cannot run)."""
+    table = np.zeros((size,), np.float32)
+    totals = [slots * w for w in widths]
+    for b in range(size):
+        fit = [i for i, t in enumerate(totals) if t >= b]
+        if fit:
+            table[b] = steps_per_second[fit[0]]
+    return table
+
+
+@dataclasses.dataclass
+class CostTable:
+    """A profiled cost table with what it was measured on (saved as JSON, so a server does not
+    re-profile)."""
+
+    slots: int
+    block_size: int
+    widths: list[int]  # compiled verification widths (tokens per row)
+    steps_per_second: list[float]  # measured at each width, every slot live
+    table: list[float]  # [slots * (G + 1) + 1] SPS(B)
+    model: str = ""
+    drafter: str = ""
+    device: str = ""
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CostTable":
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no cost table there (python -m dspark_jax.schedule --out {path})") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not a cost table ({err})") from None
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{path}: not a cost table (missing {', '.join(missing)})")
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+    def plot(self, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        b = np.arange(len(self.table))
+        ax.step(b, self.table, where="post", label="SPS(B)")
+        ax.plot([self.slots * w for w in self.widths], self.steps_per_second, "o", label="measured")
+        ax.set_xlabel("tokens in the verification forward (B)")
+        ax.set_ylabel("verification steps per second")
+        ax.set_title(f"{self.model} + {self.drafter or 'no drafter'}, {self.slots} slots")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 4, repeats: int = 3,
+                prompt_len: int = 16) -> CostTable:
+    """Measure verification steps per second of `engine` at each width it compiles, every slot
+    live and drafting (the drafter's cost included): SPS(B) for B = slots * w, as a staircase
+    table over B = 0 .. max_tokens (default slots * (G + 1)). Runs the engine's own step program
+    under the "fixed" policy with max_length = w - 1, best of `repeats` timed calls."""
+    from dspark_jax.decode import verify_widths
+    from dspark_jax.sampling import SamplingParams
+
+    g = engine.block_size
+    size = table_size(engine.slots, g)
+    if max_tokens is not None:
+        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < engine.slots:
+            raise ValueError(f"max_tokens must be an integer >= the slot count {engine.slots}, got {max_tokens!r}")
+        size = min(size, int(max_tokens) + 1)
+    widths = [w for w in verify_widths(g) if engine.slots * w < size] if g else [1]
+    ids = [(7 * i + 3) % engine.settings.config.vocab_size for i in range(prompt_len)]
+    room = engine.max_len - prompt_len - engine.extra_positions
+    measured = []
+    for w in widths:
+        calls = max(1, min(repeats + 1, room // max(1, rounds * w)))
+        steps = max(1, min(rounds, room // (calls * w)))
+        params = SamplingParams(max_new_tokens=max(1, room), ignore_eos=True)
+        state = engine.new_state()
+        state = engine.insert_many(state, [(slot, ids, params) for slot in range(engine.slots)])
+        best = float("inf")
+        for call in range(calls):
+            start = time.perf_counter()
+            state, out = engine.step(state, rounds=steps, policy="fixed", max_length=w - 1)
+            seconds = time.perf_counter() - start
+            if call > 0 or calls == 1:  # the first call may compile
+                best = min(best, seconds / max(out.rounds, 1))
+        measured.append(float(np.float32(1.0 / best)))  # as the table holds it
+    return CostTable(slots=engine.slots, block_size=g, widths=list(widths), steps_per_second=measured,
+                     table=staircase(engine.slots, widths, measured, size).tolist(),
+                     device=jax.devices()[0].device_kind)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m dspark_jax.schedule`: profile an engine's cost table, print it, save and plot it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dspark_jax.schedule", description=main.__doc__)
+    parser.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF folder")
+    parser.add_argument("--drafter", default=None, help="drafter name or checkpoint folder (default: none)")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=None, help="largest B in the table")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default="sps.json", help="where the table is saved (JSON)")
+    parser.add_argument("--plot", default=None, help="PNG of the table (default: --out with .png)")
+    args = parser.parse_args(argv)
+    from dspark_jax import load_target
+    from dspark_jax.engine import Engine
+
+    target = load_target(args.model, dtype=args.dtype)
+    engine = Engine(target, args.drafter, slots=args.slots, max_len=args.max_len)
+    table = profile_sps(engine, args.max_tokens)
+    table.model, table.drafter = args.model, args.drafter or ""
+    for w, sps in zip(table.widths, table.steps_per_second):
+        print(f"width {w:3d}  B = {table.slots * w:5d}  {sps:8.2f} steps/s  {sps * table.slots * w:9.1f} tokens/s")
+    table.save(args.out)
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    table.plot(plot)
+    print(f"saved {args.out} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

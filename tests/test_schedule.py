@@ -1,0 +1,338 @@
+"""The load-aware scheduler (dspark_jax.schedule) against plain-loop references, its direction, the
+early stop's losslessness, and the engine's policies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax import schedule as sched
+
+
+def loop_prefix_schedule(conf: np.ndarray, table: np.ndarray, live=None) -> np.ndarray:
+    """Algorithm 1 as the paper writes it: one admission at a time, float32 like the jnp code
+    (free slots, live False, cost a token of B but commit nothing)."""
+    rows, block = conf.shape
+    surv = np.cumprod(np.clip(conf.astype(np.float32), 0, 1), axis=1, dtype=np.float32)
+    entries = sorted(((-surv[r, j], r, j) for r in range(rows) for j in range(block) if surv[r, j] > 0))
+    sps = lambda b: np.float32(table[b]) if b < len(table) else np.float32(0)  # noqa: E731
+    lengths = np.zeros(rows, np.int32)
+    tau, tokens = np.float32(rows if live is None else np.sum(live)), rows
+    best = tau * sps(tokens)
+    for neg, r, j in entries:
+        new_tau = np.float32(tau + np.float32(-neg))
+        new = np.float32(new_tau * sps(tokens + 1))
+        if new <= best:
+            break
+        assert lengths[r] == j  # survival is non-increasing along a row: prefixes only
+        lengths[r], tau, tokens, best = j + 1, new_tau, tokens + 1, new
+    return lengths
+
+
+def random_case(rng, rows, block, kind):
+    conf = rng.uniform(0.0, 1.0, (rows, block)).astype(np.float32)
+    if kind == "ties":  # few distinct values: equal survivals across rows and along a row
+        conf = rng.choice(np.asarray([0.0, 0.5, 1.0], np.float32), (rows, block))
+    free = rng.uniform(size=rows) < 0.3
+    conf[free] = 0.0  # free slots
+    n = rows * (block + 1) + 1
+    if kind == "flat":
+        table = np.full(n, 10.0, np.float32)
+    elif kind == "steep":
+        table = (100.0 / (1.0 + 0.5 * np.arange(n))).astype(np.float32)
+    elif kind == "short":
+        table = rng.uniform(5, 10, rows + rng.integers(1, rows * block + 1)).astype(np.float32)
+    else:  # a jagged staircase, decreasing on average
+        table = np.sort(rng.uniform(1, 20, n)).astype(np.float32)[::-1] * rng.uniform(0.9, 1.1, n).astype(np.float32)
+    return conf, table, ~free
+
+
+SHAPES = [(1, 7), (3, 4), (8, 7), (5, 1)]  # (rows, block): few shapes, few compiles
+KINDS = ["random", "ties", "flat", "steep", "short"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_schedule_equals_plain_loop(kind):
+    rng = np.random.default_rng(KINDS.index(kind))
+    fn = jax.jit(sched.prefix_schedule)
+    for _ in range(60):
+        rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
+        conf, table, live = random_case(rng, rows, block, kind)
+        got = np.asarray(fn(jnp.asarray(conf), jnp.asarray(table)))
+        np.testing.assert_array_equal(got, loop_prefix_schedule(conf, table), err_msg=f"{conf}\n{table}")
+        got = np.asarray(fn(jnp.asarray(conf), jnp.asarray(table), jnp.asarray(live)))
+        np.testing.assert_array_equal(got, loop_prefix_schedule(conf, table, live), err_msg=f"{conf}\n{table}")
+
+
+def test_prefix_schedule_edges():
+    conf = np.asarray([[0.9, 0.8, 0.5], [0.0, 0.0, 0.0]], np.float32)
+    flat = np.full(9, 5.0, np.float32)
+    assert np.asarray(sched.prefix_schedule(conf, flat)).tolist() == [3, 0]  # whole block, free row nothing
+    steep = np.asarray([5.0, 5.0, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], np.float32)
+    assert np.asarray(sched.prefix_schedule(conf, steep)).tolist() == [0, 0]  # any extra token costs too much
+    short = np.full(4, 5.0, np.float32)  # the table ends at B = 3: one admission at most
+    assert np.asarray(sched.prefix_schedule(conf, short)).tolist() == [1, 0]
+
+
+def test_steeper_table_never_verifies_more():
+    rng = np.random.default_rng(3)
+    fn = jax.jit(sched.prefix_schedule)
+    for _ in range(100):
+        rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
+        conf, _, _ = random_case(rng, rows, block, "random")
+        n = rows * (block + 1) + 1
+        rate = rng.uniform(0.0, 0.3)
+        mild = (1.0 / (1.0 + rate * np.arange(n))).astype(np.float32)
+        steep = (mild * (1.0 / (1.0 + rng.uniform(0.0, 0.5) * np.arange(n)))).astype(np.float32)  # falls faster
+        assert fn(conf, steep).sum() <= fn(conf, mild).sum()
+
+
+def loop_lagged(conf, lagged, table):
+    rows, block = conf.shape
+    cum = lambda c: np.cumprod(np.clip(c, 0, 1), axis=1, dtype=np.float32)  # noqa: E731
+    sps = lambda b: np.float32(table[b]) if b < len(table) else np.float32(0)  # noqa: E731
+    old = sorted((x for x in cum(lagged).ravel() if x > 0), reverse=True)
+    tau, best, budget = np.float32(rows), np.float32(rows) * sps(rows), 0
+    for k, x in enumerate(old, start=1):
+        tau = np.float32(tau + x)
+        if tau * sps(rows + k) > best:
+            best, budget = tau * sps(rows + k), k
+    surv = cum(conf)
+    entries = sorted((-surv[r, j], r, j) for r in range(rows) for j in range(block) if surv[r, j] > 0)[:budget]
+    lengths = np.zeros(rows, np.int32)
+    for _, r, _ in entries:
+        lengths[r] += 1
+    return lengths
+
+
+def test_lagged_schedule_equals_plain_loop():
+    rng = np.random.default_rng(5)
+    fn = jax.jit(sched.lagged_schedule)
+    for kind in ["random", "ties", "steep", "short"]:
+        for _ in range(30):
+            rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
+            conf, table, _ = random_case(rng, rows, block, kind)
+            lagged, _, _ = random_case(rng, rows, block, kind)
+            np.testing.assert_array_equal(np.asarray(fn(conf, lagged, table)), loop_lagged(conf, lagged, table))
+
+
+def test_threshold_fixed_none_and_caps():
+    conf = jnp.asarray([[0.9, 0.9, 0.5, 0.9], [0.4, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
+    params = sched.ScheduleParams(sps_table=jnp.ones((16,), jnp.float32), threshold=jnp.float32(0.6),
+                                  max_length=jnp.int32(4))
+    caps = jnp.asarray([4, 4, 0], jnp.int32)
+    run = lambda policy, c=caps, p=params: np.asarray(sched.schedule(policy, conf, conf, c, p).lengths).tolist()  # noqa: E731
+    assert run("threshold") == [2, 0, 0]  # survivals 0.9, 0.81, 0.405: two reach 0.6
+    assert run("fixed") == [4, 4, 0]
+    assert run("none") == [0, 0, 0]
+    assert run("fixed", jnp.asarray([1, 3, 0], jnp.int32)) == [1, 3, 0]
+    assert run("fixed", p=sched.ScheduleParams(params.sps_table, params.threshold, jnp.int32(2))) == [2, 2, 0]
+    out = sched.schedule("fixed", conf, conf, caps, params)
+    assert int(out.tokens) == 3 + 8
+    np.testing.assert_allclose(float(out.predicted_tau), 3 + (0.9 + 0.81 + 0.405 + 0.3645) + (0.4 * 4), rtol=1e-6)
+    with pytest.raises(ValueError, match="policy must be one of"):
+        sched.check_policy("greedy")
+
+
+def test_staircase_table_and_json(tmp_path):
+    table = sched.staircase(4, [1, 2, 4, 8], [40.0, 30.0, 20.0, 10.0], sched.table_size(4, 7))
+    assert table.shape == (33,)
+    assert table[0] == table[4] == 40.0 and table[5] == table[8] == 30.0 and table[9] == 20.0 and table[32] == 10.0
+    cost = sched.CostTable(slots=4, block_size=7, widths=[1, 2, 4, 8], steps_per_second=[40.0, 30.0, 20.0, 10.0],
+                           table=table.tolist(), model="m")
+    cost.save(str(tmp_path / "sps.json"))
+    assert sched.CostTable.load(str(tmp_path / "sps.json")) == cost
+    with pytest.raises(FileNotFoundError, match="no cost table"):
+        sched.CostTable.load(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="missing"):
+        sched.CostTable.load(str(tmp_path / "bad.json"))
+
+
+# ----------------------------------------------------------------------------- losslessness
+def _first_token_rule(policy, n=40_000, seed=0):
+    """The paper's counterexample, run through the library's verification: target (0.7, 0.3) over
+    tokens {A=0, B=1}, draft (0.5, 0.5); c_1 = 0.5, and c_2 = 1 after A, 0 after B (the Markov head
+    lets the confidence see the sampled token). With SPS = (1, 0.6, 0.6) at B = 1, 2, 3, verifying
+    only x_1 lowers Theta (1 -> 0.9) while verifying x_1 and x_2 after an A raises it (-> 1.2).
+    Returns the emitted first tokens [n]."""
+    from dspark_jax.verify import verify_block
+
+    key_draft, key_verify = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.bernoulli(key_draft, 0.5, (n, 2)).astype(jnp.int32)  # draft tokens, q = (0.5, 0.5)
+    conf = jnp.stack([jnp.full((n,), 0.5), jnp.where(x[:, 0] == 0, 1.0, 0.0)], axis=1)[:, None, :]  # [n, R=1, G=2]
+    table = jnp.asarray([0.0, 1.0, 0.6, 0.6], jnp.float32)
+    if policy == "dspark":
+        lengths = jax.vmap(lambda c: sched.prefix_schedule(c, table))(conf)[:, 0]
+    else:  # the same path without the early stop: the argmax of Theta over every prefix of it
+        def global_search(c):
+            _, ranked = sched.candidates(sched.survival(c))
+            theta = sched._path(ranked, table, 1)
+            return jnp.argmax(jnp.where(jnp.concatenate([jnp.ones(1, bool), ranked > 0]), theta, -1.0))
+        lengths = jax.vmap(global_search)(conf)
+    q = jnp.full((n, 2, 2), 0.5, jnp.float32)
+    p = jnp.broadcast_to(jnp.asarray([0.7, 0.3], jnp.float32), (n, 3, 2))
+    uniforms = jax.random.uniform(key_verify, (n, 3))
+    n_acc, next_token = verify_block(x, q, p, lengths.astype(jnp.int32), uniforms)
+    return np.asarray(jnp.where(n_acc >= 1, x[:, 0], next_token)), np.asarray(lengths)
+
+
+def test_early_stop_is_lossless_and_a_global_search_is_not():
+    from chisquare import chi2
+
+    tokens, lengths = _first_token_rule("dspark")
+    assert lengths.max() == 0  # the early stop never verifies x_1 here
+    stat, threshold = chi2(tokens, [0.7, 0.3])
+    assert stat < threshold, stat
+    tokens, lengths = _first_token_rule("global")
+    assert set(np.unique(lengths)) == {0, 2}  # the admission of x_1 depends on x_1 itself
+    np.testing.assert_allclose(np.bincount(tokens, minlength=2) / tokens.size, [0.85, 0.15], atol=0.01)
+    stat, threshold = chi2(tokens, [0.7, 0.3])
+    assert stat > 10 * threshold  # the biased search is detected, far past the threshold
+
+
+# ----------------------------------------------------------------------------- in the engine
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny target and an untrained DSpark drafter whose calibration spreads its confidences
+    (temperature 0.3), so the schedulers see rows and positions that differ."""
+    import dataclasses
+
+    from conftest import make_tiny_hf_model
+    from dspark_jax import init_drafter, load_target
+
+    path = tmp_path_factory.mktemp("tiny_schedule")
+    make_tiny_hf_model(str(path), "llama", False, eos_token_id=95)
+    target = load_target(str(path))
+    drafter = init_drafter(target, "dspark", seed=1, block_size=3)
+    return target, dataclasses.replace(drafter, calibration={"temperatures": [0.3, 0.3, 0.3]}), str(path)
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 90, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+
+
+def _table(slots, block, rate):
+    """SPS(B) = 1 / (slots + rate * (B - slots)): each token past one per row costs `rate` of a row."""
+    b = np.arange(sched.table_size(slots, block))
+    return (1.0 / (slots + rate * np.maximum(b - slots, 0))).astype(np.float32)
+
+
+def test_every_policy_gives_the_plain_greedy_tokens(tiny):
+    from dspark_jax import generate
+
+    target, drafter, _ = tiny
+    prompts = _prompts(4)
+    plain = generate(target, prompts, max_new_tokens=16)
+    verified = {}
+    for policy in sched.POLICIES:
+        out = generate(target, prompts, max_new_tokens=16, drafter=drafter, policy=policy,
+                       sps_table=_table(4, 3, 0.3))
+        assert out.token_ids == plain.token_ids, policy
+        verified[policy] = out.stats.get("verified_per_round")
+    assert verified["none"] is None  # plain decoding: the drafter never ran
+    assert 2.5 < verified["fixed"] <= 3  # the whole block (less where the budget cuts it)
+    assert 0 < verified["dspark"] < verified["fixed"] and 0 < verified["dspark-lagged"] < verified["fixed"]
+
+
+def _engine_rounds(engine, prompts, rounds=3, **step):
+    from dspark_jax import SamplingParams
+
+    state = engine.new_state()
+    state = engine.insert_many(state, [(i, p, SamplingParams(max_new_tokens=40)) for i, p in enumerate(prompts)])
+    state, out = engine.step(state, rounds=rounds, **step)
+    return state, out
+
+
+def test_engine_lengths_follow_the_policy_and_table(tiny):
+    from dspark_jax import Engine
+
+    target, drafter, _ = tiny
+    prompts = _prompts(3, seed=1)  # 3 of 4 slots live
+    engine = Engine(target, drafter, slots=4, max_len=128, policy="dspark", sps_table=np.full(17, 1.0))
+    _, out = _engine_rounds(engine, prompts)
+    assert all(lengths == [3] * 3 for lengths in out.round_lengths[:3])  # a flat table admits whole blocks
+    assert out.round_tokens == [4 + 9] * 3  # every slot (the forward is dense) + verified drafts
+    engine.sps_table = np.asarray([1.0] * 5 + [0.1] * 12)  # B > 4: any draft token costs far more than it gains
+    _, out = _engine_rounds(engine, prompts)
+    assert all(lengths == [0] * 3 for lengths in out.round_lengths[:3]) and out.round_tokens == [4] * 3
+    np.testing.assert_allclose(out.round_predicted_tau, [3.0] * 3)
+    engine.sps_table = _table(4, 3, 0.3)
+    _, out = _engine_rounds(engine, prompts)
+    for r in range(3):  # the predicted tau is what the survivals of the verified positions add up to
+        expect = sum(1 + out.round_survival[s][r][:out.round_lengths[s][r]].sum() for s in range(3))
+        np.testing.assert_allclose(out.round_predicted_tau[r], expect, rtol=1e-5)
+        tokens = 4 + sum(out.round_lengths[s][r] for s in range(3))
+        assert out.round_tokens[r] == tokens
+        np.testing.assert_allclose(out.round_predicted_throughput[r], expect * _table(4, 3, 0.3)[tokens], rtol=1e-5)
+
+    threshold = Engine(target, drafter, slots=4, max_len=128, policy="threshold", threshold=0.4)
+    _, out = _engine_rounds(threshold, prompts)
+    for s in range(3):
+        expect = (np.asarray(out.round_survival[s]) >= 0.4).sum(axis=1)
+        assert out.round_lengths[s] == expect.tolist()
+    _, out = _engine_rounds(threshold, prompts, policy="fixed", max_length=2)  # per-call policy and cap
+    assert all(lengths == [2] * 3 for lengths in out.round_lengths[:3])
+
+
+def test_no_recompile_when_load_table_or_threshold_change(tiny):
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    engine = Engine(target, drafter, slots=4, max_len=128, policy="dspark", sps_table=_table(4, 3, 0.3))
+    engine.warmup(rounds=(2,))
+    lagged = Engine(target, drafter, slots=4, max_len=128, policy="dspark-lagged", sps_table=_table(4, 3, 0.3))
+    lagged.warmup(rounds=(2,))
+    compiles = []
+    listener = lambda event, duration, **kw: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for eng in (engine, lagged):
+            state = eng.insert(eng.new_state(), 0, _prompts(1)[0], SamplingParams(max_new_tokens=30))
+            state, _ = eng.step(state, rounds=2)
+            state = eng.insert(state, 2, _prompts(2)[1],
+                               SamplingParams(max_new_tokens=30, temperature=0.8, seed=3))
+            state, _ = eng.step(state, rounds=2)  # more load
+            eng.sps_table = _table(4, 3, 0.05)
+            state, _ = eng.step(state, rounds=2)  # another table
+            eng.threshold = 0.9
+            state, _ = eng.step(state, rounds=2, max_length=1)  # another cap
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert "/jax/core/compile/backend_compile_duration" not in compiles, compiles
+
+
+def test_profile_sps_cli_and_json_round_trip(tiny, tmp_path):
+    from dspark_jax import Engine
+    from dspark_jax.drafters import save_drafter
+
+    target, drafter, path = tiny
+    engine = Engine(target, drafter, slots=2, max_len=128, policy="dspark")
+    engine.warmup(rounds=(1,))  # no table given: warmup profiles one
+    table = engine.cost_table
+    assert table.widths == [1, 2, 4] and len(table.table) == 2 * 4 + 1
+    assert all(s > 0 for s in table.steps_per_second)
+    assert table.table[0] == table.table[2] == table.steps_per_second[0] and table.table[8] == table.steps_per_second[2]
+    save_drafter(drafter, str(tmp_path / "drafter"))
+    out = tmp_path / "sps.json"
+    assert sched.main(["--model", path, "--drafter", str(tmp_path / "drafter"), "--slots", "2", "--max-len", "128",
+                       "--out", str(out)]) == 0
+    assert (tmp_path / "sps.png").stat().st_size > 0
+    loaded = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_table=str(out))
+    assert loaded.cost_table.widths == [1, 2, 4] and loaded.sps_table.shape == (9,)
+
+
+def test_user_errors_name_the_problem(tiny):
+    from dspark_jax import Engine
+
+    target, drafter, _ = tiny
+    with pytest.raises(ValueError, match="policy must be one of"):
+        Engine(target, drafter, slots=2, max_len=128, policy="eager")
+    with pytest.raises(ValueError, match="threshold must be"):
+        Engine(target, drafter, slots=2, max_len=128, policy="threshold", threshold=1.5)
+    with pytest.raises(ValueError, match="sps_table must be"):
+        Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_table=[[1.0]])
+    engine = Engine(target, drafter, slots=2, max_len=128)
+    with pytest.raises(ValueError, match="max_length must be"):
+        engine.step(engine.new_state(), max_length=4)
