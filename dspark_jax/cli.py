@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from dspark_jax.schedule import POLICIES
+
 
 def _generate(args: argparse.Namespace) -> int:
     from dspark_jax import generate, load_target
@@ -31,6 +33,8 @@ def _generate(args: argparse.Namespace) -> int:
         drafter=drafter,
         block_size=args.block_size,
         verifier=args.verifier,
+        policy=args.policy,
+        sps_table=args.sps_table,
     )
     for i, text in enumerate(result.texts):
         if len(result.texts) > 1:
@@ -58,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "random-dspark / random-dflash / random-eagle3 (untrained, for cost checks)")
     gen.add_argument("--block-size", type=int, default=None, help="drafted tokens per round (default: the drafter's)")
     gen.add_argument("--verifier", default="jnp", choices=["jnp", "pallas"])
+    gen.add_argument("--policy", default="fixed", choices=list(POLICIES),
+                     help="draft tokens verified per round: the whole block (fixed), DSpark's load-aware scheduler "
+                          "(dspark, dspark-lagged), a survival threshold, or none (plain decoding)")
+    gen.add_argument("--sps-table", default=None,
+                     help="cost table JSON from python -m dspark_jax.schedule (dspark policies; default: profile)")
     gen.set_defaults(func=_generate)
     return parser
 

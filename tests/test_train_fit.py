@@ -174,3 +174,18 @@ def test_config_file_through_the_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "train.fit", "--config", str(path), "--steps", "0"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode != 0 and "--steps must be >= 1" in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_block_targets_past_the_end_stay_in_range():
+    """A block that runs past a (cropped) sequence's end is unsupervised there, and its teacher
+    positions stay inside the sequence (a gather past the end would be NaN)."""
+    import jax.numpy as jnp
+
+    from train.fit import block_targets
+
+    tokens = jnp.arange(10, dtype=jnp.int32)[None, :]
+    mask = jnp.ones((1, 10), bool)
+    targets, supervised, src = block_targets(tokens, mask, jnp.asarray([[7]], jnp.int32), jnp.ones((1, 1), bool), 4)
+    assert supervised.tolist() == [[[True, True, False, False]]]
+    assert targets[0, 0, :2].tolist() == [8, 9]
+    assert src.tolist() == [[[7, 8, 9, 9]]]

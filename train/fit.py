@@ -149,7 +149,8 @@ def sample_anchors(key, mask, count: int):
 
 def block_targets(tokens, mask, anchors, valid, block_size: int):
     """Targets [b, A, G] (tokens anchor+1 .. anchor+G), their supervision mask, and the positions
-    anchor .. anchor+G-1 whose target distribution predicts them."""
+    anchor .. anchor+G-1 whose target distribution predicts them (clipped into the sequence: a
+    block that runs past its end is unsupervised there, and a gather past the end would be NaN)."""
     import jax.numpy as jnp
 
     b, T = tokens.shape
@@ -158,7 +159,7 @@ def block_targets(tokens, mask, anchors, valid, block_size: int):
     flat = jnp.clip(tgt, 0, T - 1).reshape(b, -1)
     targets = jnp.take_along_axis(tokens, flat, axis=1).reshape(tgt.shape)
     supervised = jnp.take_along_axis(mask, flat, axis=1).reshape(tgt.shape) & (tgt < T) & valid[:, :, None]
-    return targets, supervised, src
+    return targets, supervised, jnp.minimum(src, T - 1)
 
 
 def per_position(values, weight):

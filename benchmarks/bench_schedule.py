@@ -1,0 +1,174 @@
+"""Verification-length policies side by side under load (dspark_jax.schedule).
+
+For each batch size, every policy runs the same greedy requests (MT-Bench first turns and
+HumanEval prompts, alternating; `--new-tokens` each, EOS ignored) through an Engine with one
+slot per request, in the same process, repeat after repeat (policies interleaved, so machine
+noise hits them alike). Reports system throughput (committed tokens per second), per-request
+speed (a request's tokens over its own latency, mean over requests), the mean draft tokens
+verified per request per round and tau; "threshold" is the best of a small theta sweep.
+The dspark policies share one cost table per batch size, profiled on this machine (or loaded
+with --sps-dir). Writes results.json, results.md and a plot of throughput against per-request
+speed (one curve per policy) to --out.
+
+    .venv/bin/python benchmarks/bench_schedule.py [--drafter smollm2-135m-dspark] [--batches 1 4 8 16 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+POLICIES = ("none", "fixed", "threshold", "dspark", "dspark-lagged")
+
+
+def prompt_ids(tokenizer, count: int) -> list[list[int]]:
+    """MT-Bench and HumanEval prompts, alternating, chat-templated."""
+    from dspark_jax.prompts import encode_prompts
+    from train import sources
+
+    mt, he = sources.mtbench_first_turns(), sources.humaneval_prompts()
+    texts = [(mt if i % 2 == 0 else he)[i // 2 % min(len(mt), len(he))] for i in range(count)]
+    return encode_prompts(tokenizer, texts, chat=True)
+
+
+def run_batch(engine, prompts, new_tokens: int, rounds: int) -> dict:
+    """All requests inserted at once, stepped to the end; per-request latency from the start."""
+    from dspark_jax import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    state = engine.insert_many(engine.new_state(), [(i, p, params) for i, p in enumerate(prompts)])
+    tokens = [0] * len(prompts)
+    done_at = [0.0] * len(prompts)
+    verified = row_rounds = 0
+    while not all(done_at):
+        state, out = engine.step(state, rounds=rounds)
+        now = time.perf_counter() - start
+        for i in range(len(prompts)):
+            tokens[i] += len(out.tokens[i])
+            verified += sum(out.round_lengths[i])
+            row_rounds += len(out.round_lengths[i])
+            if out.finished[i] and not done_at[i]:
+                done_at[i] = now
+    wall = max(done_at)
+    return {"throughput": sum(tokens) / wall, "per_request": statistics.mean(t / d for t, d in zip(tokens, done_at)),
+            "verified_per_round": verified / max(row_rounds, 1),
+            "tau": (sum(tokens) - len(prompts)) / max(row_rounds, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--drafter", default="smollm2-135m-dspark")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=8, help="rounds per engine step (one host sync each)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sps-dir", default=None, help="load cost tables sps-b{batch}.json from here")
+    parser.add_argument("--out", default="runs/bench_schedule")
+    args = parser.parse_args()
+
+    from dspark_jax import Engine, load_drafter, load_target
+    from dspark_jax.prompts import bucket
+
+    target = load_target(args.model)
+    drafter = load_drafter(args.drafter, target)
+    os.makedirs(args.out, exist_ok=True)
+    g = drafter.config.block_size
+    results = []
+    for batch in args.batches:
+        prompts = prompt_ids(target.tokenizer, batch)
+        max_len = bucket(max(len(p) for p in prompts) + args.new_tokens + g + 1, minimum=128)
+        configs = []
+        for policy in args.policies:
+            for theta in (args.thresholds if policy == "threshold" else [None]):
+                extra = {} if theta is None else {"threshold": theta}
+                configs.append((policy, theta, Engine(target, drafter, slots=batch, max_len=max_len, policy=policy,
+                                                      **extra)))
+        table = None
+        sps_path = os.path.join(args.sps_dir or args.out, f"sps-b{batch}.json")
+        if args.sps_dir:
+            from dspark_jax.schedule import CostTable
+
+            table = CostTable.load(sps_path)
+        for policy, _, engine in configs:
+            if table is not None and policy.startswith("dspark"):
+                engine.sps_table = table
+            engine.warmup(rounds=(args.rounds,), insert_batches=(batch,))  # profiles when it has no table
+            if table is None and engine.cost_table is not None:
+                table = engine.cost_table
+                table.model, table.drafter = args.model, args.drafter
+                table.save(sps_path)
+        runs = {(policy, theta): [] for policy, theta, _ in configs}
+        for _ in range(args.repeats):
+            for policy, theta, engine in configs:
+                runs[(policy, theta)].append(run_batch(engine, prompts, args.new_tokens, args.rounds))
+        for (policy, theta), reps in runs.items():
+            row = {"batch": batch, "policy": policy, "threshold": theta,
+                   **{k: statistics.mean(r[k] for r in reps) for k in reps[0]},
+                   "throughput_runs": [r["throughput"] for r in reps]}
+            results.append(row)
+            spread = f"{min(row['throughput_runs']):.1f}-{max(row['throughput_runs']):.1f}"
+            name = policy if theta is None else f"threshold {theta:g}"
+            print(f"batch {batch:3d}  {name:>15}  {row['throughput']:7.1f} tok/s (runs {spread})  "
+                  f"{row['per_request']:6.2f} tok/s/request  verified {row['verified_per_round']:.2f}  "
+                  f"tau {row['tau']:.2f}", flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(markdown(results))
+    plot(results, os.path.join(args.out, "throughput.png"))
+    print(markdown(results))
+
+
+def best_rows(results: list[dict]) -> list[dict]:
+    """One row per (batch, policy): the best threshold of the sweep stands for "threshold"."""
+    best: dict = {}
+    for r in results:
+        key = (r["batch"], r["policy"])
+        if key not in best or r["throughput"] > best[key]["throughput"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["batch"], POLICIES.index(r["policy"])))
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| batch | policy | tokens/s (system) | runs | tokens/s per request | verified / round | tau |",
+             "|--:|---|--:|---|--:|--:|--:|"]
+    for r in best_rows(results):
+        name = r["policy"] if r["threshold"] is None else f"threshold ({r['threshold']:g})"
+        runs = " ".join(f"{x:.1f}" for x in r["throughput_runs"])
+        lines.append(f"| {r['batch']} | {name} | {r['throughput']:.1f} | {runs} | {r['per_request']:.2f} | "
+                     f"{r['verified_per_round']:.2f} | {r['tau']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    rows = best_rows(results)
+    for policy in POLICIES:
+        mine = [r for r in rows if r["policy"] == policy]
+        if mine:
+            ax.plot([r["per_request"] for r in mine], [r["throughput"] for r in mine], "o-", label=policy)
+            for r in mine:
+                ax.annotate(str(r["batch"]), (r["per_request"], r["throughput"]), fontsize=7)
+    ax.set_xlabel("tokens per second per request")
+    ax.set_ylabel("system tokens per second")
+    ax.set_title("verification-length policies (labels: batch size)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
