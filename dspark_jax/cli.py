@@ -21,26 +21,27 @@ def _generate(args: argparse.Namespace) -> int:
             drafter = init_drafter(target, args.drafter.removeprefix("random-"), seed=args.seed)
         else:
             drafter = load_drafter(args.drafter, target)
-    result = generate(
-        target,
-        args.prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        chat=not args.no_chat,
-        drafter=drafter,
-        block_size=args.block_size,
-        verifier=args.verifier,
-        policy=args.policy,
-        sps_table=args.sps_table,
-    )
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, chat=not args.no_chat)
+    spec = dict(drafter=drafter, block_size=args.block_size, verifier=args.verifier, policy=args.policy,
+                sps_table=args.sps_table)
+    result = generate(target, args.prompts, **common, **spec)
     for i, text in enumerate(result.texts):
         if len(result.texts) > 1:
             print(f"--- [{i}]")
         print(text)
     print("--- stats", json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in result.stats.items()}))
+    if args.compare_plain:
+        # Plain once to compile and warm it, then both alternating; each keeps its best run (noise
+        # on a shared machine only ever adds time).
+        generate(target, args.prompts, **common)
+        best = {"plain": 0.0, "speculative": 0.0}
+        for _ in range(args.repeats):
+            for name, extra in (("plain", {}), ("speculative", spec)):
+                rate = generate(target, args.prompts, **common, **extra).stats["tokens_per_second"]
+                best[name] = max(best[name], rate)
+        print(f"--- speed: plain {best['plain']:.1f} tok/s, speculative {best['speculative']:.1f} tok/s, "
+              f"speedup {best['speculative'] / best['plain']:.2f}x (best of {args.repeats}, compile excluded)")
     return 0
 
 
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default="fixed", choices=list(POLICIES),
                      help="draft tokens verified per round: the whole block (fixed), DSpark's load-aware scheduler "
                           "(dspark, dspark-lagged), a survival threshold, or none (plain decoding)")
+    gen.add_argument("--compare-plain", action="store_true",
+                     help="also time plain generation of the same prompts and print the speedup")
+    gen.add_argument("--repeats", type=int, default=2, help="timed runs per side with --compare-plain")
     gen.add_argument("--sps-table", default=None,
                      help="cost table JSON from python -m dspark_jax.schedule (dspark policies; default: profile)")
     gen.set_defaults(func=_generate)

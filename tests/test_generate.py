@@ -168,3 +168,12 @@ def test_cli_reports_errors_cleanly(capsys):
 
     assert main(["generate", "hi", "--model", "no-such-model"]) == 2
     assert "unknown model name" in capsys.readouterr().err
+
+
+def test_cli_compares_speculative_with_plain(tiny_chat_dir, capsys):
+    from dspark_jax.cli import main
+
+    assert main(["generate", "hi", "--model", tiny_chat_dir, "--drafter", "ngram", "--max-new-tokens", "4",
+                 "--compare-plain", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert '"policy": "fixed"' in out and "--- speed: plain" in out and "x (best of 1" in out
