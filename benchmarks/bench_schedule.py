@@ -19,7 +19,10 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # train.sources
 
 POLICIES = ("none", "fixed", "threshold", "dspark", "dspark-lagged")
 
@@ -97,13 +100,15 @@ def main() -> None:
 
             table = CostTable.load(sps_path)
         for policy, _, engine in configs:
-            if table is not None and policy.startswith("dspark"):
-                engine.sps_table = table
-            engine.warmup(rounds=(args.rounds,), insert_batches=(batch,))  # profiles when it has no table
-            if table is None and engine.cost_table is not None:
-                table = engine.cost_table
+            if table is None and policy.startswith("dspark"):
+                table = engine.profile()  # every slot live, each compiled width, drafter included
                 table.model, table.drafter = args.model, args.drafter
                 table.save(sps_path)
+                print(f"batch {batch:3d}  cost table: " + ", ".join(
+                    f"width {w}: {x:.2f} rounds/s" for w, x in zip(table.widths, table.steps_per_second)), flush=True)
+            if table is not None and policy.startswith("dspark"):
+                engine.sps_table = table
+            run_batch(engine, prompts, args.new_tokens, args.rounds)  # untimed: compiles what the runs use
         runs = {(policy, theta): [] for policy, theta, _ in configs}
         for _ in range(args.repeats):
             for policy, theta, engine in configs:

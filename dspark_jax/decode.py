@@ -339,13 +339,27 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     anchor_pos = state.cache.lengths  # [b]
     # Finished rows count as greedy, so a batch whose live rows are all greedy skips sampling.
     rs = dataclasses.replace(state.sampling, temperature=jnp.where(live, state.sampling.temperature, 0.0))
+    caps = length_caps(state, g)  # [b]
+    drafting = jnp.asarray(mod is not None)
     if mod is None:
         draft, dstate = no_draft(b, s.config.vocab_size), None
     else:
         draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
-        draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor, anchor_pos,
-                                  draft_keys, rs)
-    caps = length_caps(state, g)  # [b]
+
+        def run_draft(dstate):
+            return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos, draft_keys, rs)
+
+        if s.policy in sched.TABLE_POLICIES:
+            drafting = sched.drafting_pays(state.lagged_confidences[:, 0], caps, sp, live, state.forwards)
+
+            def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
+                shapes = jax.eval_shape(run_draft, dstate)[0]
+                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
+
+            draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, state.drafter)
+            caps = jnp.where(drafting, caps, 0)
+        else:
+            draft, dstate = run_draft(state.drafter)
     if draft.proposed is not None:
         caps = jnp.minimum(caps, draft.proposed)
     z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
@@ -394,7 +408,8 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         committed=state.committed + committed_len.sum(dtype=jnp.int32),
         tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
         accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32),
-        lagged_confidences=jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1))
+        lagged_confidences=jnp.where(drafting, jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1),
+                                     state.lagged_confidences))  # a round without a draft learns nothing
     trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,

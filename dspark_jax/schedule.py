@@ -22,7 +22,10 @@ engine's step (no host round trip; load, table and threshold are data, never com
   fixed          l_r = G (every row verifies the whole block).
   none           no drafting: plain decoding through the same engine.
 
-Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_length`).
+Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_length`). The two
+dspark policies also skip the drafter altogether in a round where the last round's confidences
+say nothing would be admitted at this load (`drafting_pays`), so at a load where speculation does
+not pay they cost what plain decoding costs, not plain decoding plus a useless draft.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ POLICIES = ("dspark", "dspark-lagged", "threshold", "fixed", "none")
 # Policies that read the cost table (an engine without one profiles it at warmup).
 TABLE_POLICIES = ("dspark", "dspark-lagged")
 DEFAULT_THRESHOLD = 0.5
+# The dspark policies skip the drafter in rounds where recent confidences say no draft token would
+# be admitted; every PROBE_EVERY-th round drafts anyway to measure them again.
+PROBE_EVERY = 16
 
 
 @jax.tree_util.register_dataclass
@@ -137,15 +143,22 @@ def prefix_schedule(confidences: jax.Array, sps_table: jax.Array, live: jax.Arra
     return lengths_of(order, jnp.arange(ranked.shape[0]) < count, rows, block)
 
 
+def best_budget(confidences: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """[] int32: the number of candidates whose admission maximises Theta over the whole sorted
+    path (a global search: only safe on confidences that cannot see this round's tokens)."""
+    rows = confidences.shape[0]
+    _, ranked = candidates(survival(confidences))
+    theta = _path(ranked, sps_table, rows, live)
+    useful = jnp.concatenate([jnp.ones((1,), bool), ranked > 0.0])  # no admission of a zero
+    return jnp.argmax(jnp.where(useful, theta, -1.0)).astype(jnp.int32)  # the first maximum
+
+
 def lagged_schedule(confidences: jax.Array, lagged_confidences: jax.Array, sps_table: jax.Array,
                     live: jax.Array | None = None) -> jax.Array:
     """The production variant: K = the best number of admitted candidates by a global search over
     `lagged_confidences` [R, G] (two rounds old), then the K best current candidates."""
     rows, block = confidences.shape
-    _, lagged = candidates(survival(lagged_confidences))
-    theta = _path(lagged, sps_table, rows, live)
-    useful = jnp.concatenate([jnp.ones((1,), bool), lagged > 0.0])  # no admission of a zero
-    budget = jnp.argmax(jnp.where(useful, theta, -1.0))  # the first maximum
+    budget = best_budget(lagged_confidences, sps_table, live)
     order, ranked = candidates(survival(confidences))
     admitted = (jnp.arange(ranked.shape[0]) < budget) & (ranked > 0.0)
     return lengths_of(order, admitted, rows, block)
@@ -155,6 +168,18 @@ def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array
     """l_r = the largest j with a_{r,j} >= threshold (survival is non-increasing in j)."""
     surv = survival(confidences)
     return jnp.sum((surv >= threshold) & (surv > 0.0), axis=-1).astype(jnp.int32)
+
+
+def drafting_pays(past_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
+                  round_index: jax.Array) -> jax.Array:
+    """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
+    last round's confidences [R, G] (past tokens only, so the decision cannot bias the output)
+    say some draft token would be admitted at this load; else the round is plain decoding and
+    saves the drafter's cost. Every PROBE_EVERY-th round drafts anyway, so confidences that were
+    low once are measured again."""
+    caps = jnp.minimum(caps, params.max_length)
+    budget = best_budget(cap_confidences(past_confidences, caps), params.sps_table, live)
+    return (budget > 0) | (round_index % PROBE_EVERY == 0)
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:

@@ -252,12 +252,17 @@ def test_engine_lengths_follow_the_policy_and_table(tiny):
     prompts = _prompts(3, seed=1)  # 3 of 4 slots live
     engine = Engine(target, drafter, slots=4, max_len=128, policy="dspark", sps_table=np.full(17, 1.0))
     _, out = _engine_rounds(engine, prompts)
+    flat = out
     assert all(lengths == [3] * 3 for lengths in out.round_lengths[:3])  # a flat table admits whole blocks
     assert out.round_tokens == [4 + 9] * 3  # every slot (the forward is dense) + verified drafts
     engine.sps_table = np.asarray([1.0] * 5 + [0.1] * 12)  # B > 4: any draft token costs far more than it gains
     _, out = _engine_rounds(engine, prompts)
     assert all(lengths == [0] * 3 for lengths in out.round_lengths[:3]) and out.round_tokens == [4] * 3
     np.testing.assert_allclose(out.round_predicted_tau, [3.0] * 3)
+    # ...and at such a load the drafter does not even run (its confidence logits stay zero),
+    # while under the flat table it drafted every round.
+    assert all(not np.any(z) for z in out.round_confidence_logits[:3])
+    assert all(np.all(z != 0) for z in flat.round_confidence_logits[:3])
     engine.sps_table = _table(4, 3, 0.3)
     _, out = _engine_rounds(engine, prompts)
     for r in range(3):  # the predicted tau is what the survivals of the verified positions add up to

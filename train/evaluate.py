@@ -62,16 +62,12 @@ def dataset_prompts(name: str, cfg: EvaluateConfig, tokenizer) -> list[list[int]
     return encode_prompts(tokenizer, texts[:cfg.max_prompts], chat=True)
 
 
-def acceptance(target, drafter, prompts, temperature: float, block_size: int, cfg: EvaluateConfig) -> dict:
+def acceptance(engine, prompts, temperature: float, cfg: EvaluateConfig) -> dict:
     """tau and acceptance per position over every round of every prompt."""
-    from dspark_jax import Engine
     from dspark_jax.batch import run_requests
-    from dspark_jax.prompts import bucket
     from dspark_jax.sampling import SamplingParams
 
-    max_len = bucket(max(len(p) for p in prompts) + cfg.max_new_tokens + block_size + 1, minimum=128)
-    max_len = min(max_len, target.config.max_position_embeddings)
-    engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len, block_size=block_size)
+    block_size = engine.block_size
     params = [SamplingParams(temperature=temperature, seed=cfg.seed + i, max_new_tokens=cfg.max_new_tokens)
               for i in range(len(prompts))]
     results = run_requests(engine, prompts, params)
@@ -142,16 +138,27 @@ def plot(results: dict, path: str) -> None:
 def run(cfg: EvaluateConfig) -> dict:
     from tqdm import tqdm
 
+    from dspark_jax import Engine
     from dspark_jax.drafters import load_drafter
+    from dspark_jax.prompts import bucket
     from train import data as data_lib
 
     target = data_lib.data_target(cfg.data, cfg.model)
     drafters = {path: load_drafter(path, target) for path in cfg.drafters}
     prompts = {name: dataset_prompts(name, cfg, target.tokenizer) for name in cfg.datasets}
     results = {"acceptance": [], "speed": []}
-    jobs = [(p, d, t, g) for p in drafters for d in cfg.datasets for t in cfg.temperatures for g in cfg.block_sizes]
+    jobs = [(p, d, t, g) for p in drafters for g in cfg.block_sizes for d in cfg.datasets for t in cfg.temperatures]
+    # One engine per (drafter, G), sized for the longest prompt of any dataset: temperatures and
+    # datasets are data for its compiled programs, so the whole table compiles 2 x drafters engines.
+    longest = max(len(p) for rows in prompts.values() for p in rows)
+    engines: dict = {}
     for path, dataset, temperature, g in tqdm(jobs, desc="acceptance", unit="run"):
-        r = acceptance(target, drafters[path], prompts[dataset], temperature, g, cfg)
+        if (path, g) not in engines:
+            engines.clear()  # free the previous engine's programs and buffers
+            max_len = min(bucket(longest + cfg.max_new_tokens + g + 1, minimum=128),
+                          target.config.max_position_embeddings)
+            engines[(path, g)] = Engine(target, drafters[path], slots=cfg.slots, max_len=max_len, block_size=g)
+        r = acceptance(engines[(path, g)], prompts[dataset], temperature, cfg)
         results["acceptance"].append({"drafter": label(path), "dataset": dataset, "temperature": temperature,
                                       "block_size": g, **r})
     for path in tqdm(list(drafters), desc="speedup", unit="drafter"):
