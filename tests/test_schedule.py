@@ -41,7 +41,8 @@ def random_case(rng, rows, block, kind):
     elif kind == "steep":
         table = (100.0 / (1.0 + 0.5 * np.arange(n))).astype(np.float32)
     elif kind == "short":
-        table = rng.uniform(5, 10, rows + rng.integers(1, rows * block + 1)).astype(np.float32)
+        # ends inside the admission path (three lengths per shape, so few compiles)
+        table = rng.uniform(5, 10, rows + [1, 3, max(1, rows * block // 2)][rng.integers(3)]).astype(np.float32)
     else:  # a jagged staircase, decreasing on average
         table = np.sort(rng.uniform(1, 20, n)).astype(np.float32)[::-1] * rng.uniform(0.9, 1.1, n).astype(np.float32)
     return conf, table, ~free
@@ -226,7 +227,7 @@ def test_every_policy_gives_the_plain_greedy_tokens(tiny):
     prompts = _prompts(4)
     plain = generate(target, prompts, max_new_tokens=16)
     verified = {}
-    for policy in sched.POLICIES:
+    for policy in ("none", "fixed", "dspark", "dspark-lagged"):  # threshold: test_engine_lengths_follow_...
         out = generate(target, prompts, max_new_tokens=16, drafter=drafter, policy=policy,
                        sps_table=_table(4, 3, 0.3))
         assert out.token_ids == plain.token_ids, policy
