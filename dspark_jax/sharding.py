@@ -464,6 +464,19 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, *, devices: Sequenc
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES, axis_types=types)
 
 
+def parse_mesh(text: str) -> dict[str, int]:
+    """"data=2,fsdp=4" -> {"data": 2, "fsdp": 4} (axes data, fsdp, tensor), the `--mesh` flag of
+    the trainer and the server; an empty string is one device."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, value = part.strip().partition("=")
+        if name not in MESH_AXES or not value.isdigit() or int(value) < 1 or name in out:
+            raise ValueError(f"--mesh: expected name=size with distinct names among {', '.join(MESH_AXES)} and "
+                             f"sizes >= 1; got {part!r}")
+        out[name] = int(value)
+    return out
+
+
 def abstract_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1) -> AbstractMesh:
     """A device-free mesh of the given sizes (partition specs and golden tables)."""
     return AbstractMesh((data, fsdp, tensor), MESH_AXES)

@@ -98,14 +98,12 @@ def load_config(argv: Sequence[str]) -> FitConfig:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """"data=2,fsdp=4" -> {"data": 2, "fsdp": 4} (tensor too); clear errors otherwise."""
-    out = {}
-    for part in filter(None, text.split(",")):
-        name, _, value = part.partition("=")
-        if name not in ("data", "fsdp", "tensor") or not value.isdigit() or int(value) < 1:
-            raise SystemExit(f"--mesh: expected name=size with names data, fsdp, tensor; got {part!r}")
-        out[name] = int(value)
-    return out
+    from dspark_jax import sharding
+
+    try:
+        return sharding.parse_mesh(text)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def check_config(cfg: FitConfig) -> None:

@@ -1,0 +1,367 @@
+"""The gRPC server (serve/): outputs equal the library's, continuous batching, streaming, stop
+strings, UTF-8 deltas, admission limits, abort / cancel / deadline, bad requests, engine faults,
+and the binary itself (health, reflection, metrics, SIGTERM drain, a 4-device mesh)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from conftest import make_tiny_hf_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's real tokenizer (byte-level BPE, chat template)."""
+    from dspark_jax.models.loading import converted_gguf, resolve_model_path
+
+    folder = str(tmp_path_factory.mktemp("tiny-serve"))
+    _, _, tokenizer = converted_gguf(resolve_model_path("smollm2-135m"))
+    tokenizer.save_pretrained(folder)
+    make_tiny_hf_model(folder, "llama", tie=True, vocab_size=len(tokenizer), max_position_embeddings=512,
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id or 0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    from dspark_jax import load_target
+
+    return load_target(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    """In process: prompt-lookup drafter, whole blocks verified, 2 slots, 2 waiting places."""
+    from dspark_jax import Engine
+    from serve.server import Server
+
+    engine = Engine(target, "ngram", slots=2, max_len=256, policy="fixed")
+    srv = Server(engine, target.tokenizer, port=0, host="localhost", queue_size=2, target_name="tiny")
+    srv.start(warmup=False)  # programs compile on first use; the binary test covers warmup
+    yield srv
+    srv.drain(10)
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    from serve.server import pb2_grpc
+
+    with grpc.insecure_channel(f"localhost:{server.port}") as channel:
+        yield pb2_grpc.DSparkStub(channel)
+
+
+def request(**fields):
+    from serve.server import pb2
+
+    return pb2.GenerateRequest(**fields)
+
+
+def wait_until(predicate, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_outputs_equal_the_library_unary_and_streamed(stub, target):
+    from dspark_jax import generate
+    from serve.server import pb2
+
+    prompt = "Name three colours."
+    want = generate(target, [prompt], max_new_tokens=24, ignore_eos=True)
+    got = stub.Generate(request(prompt=prompt, max_new_tokens=24, ignore_eos=True))
+    assert list(got.token_ids) == want.token_ids[0]
+    assert got.text == want.texts[0]
+    assert got.finish_reason == pb2.LENGTH
+    assert got.usage.completion_tokens == 24 and got.usage.prompt_tokens > 5
+    # Lossless speculation: the prompt-lookup drafter proposed tokens, some were accepted, and the
+    # output is still plain greedy's.
+    assert got.usage.drafted_tokens > 0 and got.speculative.rounds >= 1
+    assert got.speculative.mean_accepted_length == pytest.approx(
+        (got.usage.accepted_tokens + got.speculative.rounds) / got.speculative.rounds)
+    parts = list(stub.GenerateStream(request(prompt=prompt, max_new_tokens=24, ignore_eos=True)))
+    assert len(parts) > 1 and all(p.finish_reason == pb2.FINISH_REASON_UNSPECIFIED for p in parts[:-1])
+    assert [t for p in parts for t in p.token_ids] == want.token_ids[0]
+    assert "".join(p.text for p in parts) == want.texts[0]
+    assert parts[-1].usage.completion_tokens == 24
+
+
+def test_continuous_batching_more_requests_than_slots(stub, server):
+    """Four requests with different settings on 2 slots: each equals its own run alone."""
+    cases = [dict(prompt="Tell me a story.", max_new_tokens=20, temperature=1.0, seed=5, ignore_eos=True),
+             dict(prompt="Count to ten.", max_new_tokens=12, ignore_eos=True),
+             dict(prompt="Why is the sky blue?", max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7,
+                  ignore_eos=True),
+             dict(prompt="Hello", max_new_tokens=9, temperature=1.0, top_k=20, seed=1, ignore_eos=True)]
+    alone = [list(stub.Generate(request(**c)).token_ids) for c in cases]
+    results = [None] * len(cases)
+
+    def run(i):
+        results[i] = list(stub.Generate(request(**cases[i])).token_ids)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == alone
+    assert [len(r) for r in results] == [20, 12, 16, 9]
+    assert wait_until(lambda: server.orchestrator.in_flight() == 0)
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(stub):
+    from serve.server import pb2
+
+    base = dict(prompt="Write something random.", max_new_tokens=40, temperature=1.0, seed=11, ignore_eos=True)
+    full = stub.Generate(request(**base)).text
+    assert len(full) > 12
+    stop = full[8:11]
+    cut = full.index(stop)
+    got = stub.Generate(request(stop=[stop, "never-produced-zzz"], **base))
+    assert got.finish_reason == pb2.STOP and got.text == full[:cut]
+    streamed = list(stub.GenerateStream(request(stop=[stop], **base)))
+    assert "".join(p.text for p in streamed) == full[:cut] and streamed[-1].finish_reason == pb2.STOP
+    assert got.usage.completion_tokens < 40
+
+
+def test_text_stream_never_splits_a_character(target):
+    """Deltas of a byte-level tokenizer over emoji, CJK and accents: no U+FFFD, and they add up
+    to the full decode; a stop string spanning tokens is held back, never half-sent."""
+    from serve.textstream import TextStream
+
+    tok = target.tokenizer
+    text = "Voilà 😀 naïve 東京タワー — done 🎉🎉 end"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # some characters span several tokens
+    stream = TextStream(tok)
+    deltas = []
+    for t in ids:
+        stream.push(t)
+        deltas.append(stream.take())
+    deltas.append(stream.take(final=True))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    stream = TextStream(tok, stops=["タワー"])
+    sent = []
+    for t in ids:
+        if stream.push(t):
+            break
+        sent.append(stream.take())
+    sent.append(stream.take(final=True))
+    assert "".join(sent) == text[:text.index("タワー")] and stream.stopped == "タワー"
+    assert all("タ" not in s for s in sent)
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(), "input"),
+    (dict(prompt="hi", max_new_tokens=-1), "max_new_tokens"),
+    (dict(prompt="hi", max_new_tokens=100000), "max_new_tokens"),
+    (dict(prompt="hi", temperature=3.0), "temperature"),
+    (dict(prompt="hi", temperature=float("nan")), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", top_k=-2), "top_k"),
+    (dict(prompt="hi", stop=["x"] * 17), "stop"),
+    (dict(prompt="hi", stop=[""]), "stop[0]"),
+    (dict(prompt="word " * 400), "prompt"),
+    (dict(messages={"messages": [{"role": "wizard", "content": "hi"}]}), "messages[0].role"),
+    (dict(messages={"messages": []}), "messages"),
+    (dict(token_ids={"ids": [5, 10**6]}), "token_ids"),
+])
+def test_bad_requests_name_the_field(stub, fields, field):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(request(**fields))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:")
+
+
+def test_messages_and_token_ids_inputs(stub, target):
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                               tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    a = stub.Generate(request(messages={"messages": [{"role": "user", "content": "Hi!"}]}, max_new_tokens=6))
+    b = stub.Generate(request(token_ids={"ids": ids}, max_new_tokens=6))
+    assert list(a.token_ids) == list(b.token_ids) and a.usage.prompt_tokens == len(ids)
+
+
+def test_abort_cancel_and_deadline_free_the_slot(stub, server):
+    from serve.server import pb2
+
+    long = dict(prompt="Go on forever.", max_new_tokens=200, ignore_eos=True)
+    stream = stub.GenerateStream(request(request_id="job-1", **long))
+    first = next(stream)
+    assert first.request_id == "job-1" and len(first.token_ids) >= 1
+    with pytest.raises(grpc.RpcError) as dup:  # the id is in flight
+        stub.Generate(request(request_id="job-1", **long))
+    assert dup.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.Abort(pb2.AbortRequest(request_id="job-1")).found
+    rest = list(stream)
+    assert rest[-1].finish_reason == pb2.ABORT
+    assert sum(len(p.token_ids) for p in [first] + rest) < 200
+    assert not stub.Abort(pb2.AbortRequest(request_id="no-such-job")).found
+    assert wait_until(lambda: server.orchestrator.in_flight() == 0)
+
+    stream = stub.GenerateStream(request(**long))  # a client that goes away mid-stream
+    next(stream)
+    stream.cancel()
+    assert wait_until(lambda: server.orchestrator.in_flight() == 0)
+
+    with pytest.raises(grpc.RpcError) as late:
+        stub.Generate(request(**long), timeout=0.5)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: server.orchestrator.in_flight() == 0)
+    assert wait_until(lambda: server.metrics.running._value.get() == 0)
+
+
+def test_admission_queue_is_bounded(stub, server):
+    """2 slots + 2 waiting places: a burst of 8 long requests gets RESOURCE_EXHAUSTED for some at
+    once, never an unbounded wait; everything accepted completes."""
+    codes, lock = [], threading.Lock()
+
+    def run(i):
+        try:
+            stub.Generate(request(prompt=f"Request {i}", max_new_tokens=60, ignore_eos=True), timeout=120)
+            code = "OK"
+        except grpc.RpcError as err:
+            code = err.code().name
+        with lock:
+            codes.append(code)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+    assert codes.count("RESOURCE_EXHAUSTED") >= 1 and codes.count("OK") >= 4
+
+
+def test_client_streams_to_the_terminal(server, capsys):
+    from serve import client
+
+    assert client.main(["Say hi", "--address", f"localhost:{server.port}", "--max-new-tokens", "5"]) == 0
+    out, err = capsys.readouterr()
+    assert "5 new tokens" in err and "LENGTH" in err
+
+
+def test_engine_fault_is_internal_and_turns_health_off(target):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from dspark_jax import Engine
+    from serve.server import Server, pb2_grpc
+
+    engine = Engine(target, None, slots=1, max_len=128)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    engine.step = broken
+    srv = Server(engine, target.tokenizer, port=0, host="localhost", queue_size=1)
+    srv.start(warmup=False)
+    try:
+        with grpc.insecure_channel(f"localhost:{srv.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+            stub = pb2_grpc.DSparkStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(request(prompt="hi", max_new_tokens=4))
+            assert err.value.code() == grpc.StatusCode.INTERNAL and "device lost" in err.value.details()
+            assert health.Check(health_pb2.HealthCheckRequest()).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as after:
+                stub.Generate(request(prompt="hi", max_new_tokens=4))
+            assert after.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop(0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_binary_sharded_health_reflection_metrics_and_sigterm_drain(tiny_model_dir, target):
+    """`python -m serve` on 4 forced host devices with a tensor-parallel mesh: greedy outputs equal
+    the single-device library's; health, reflection and metrics answer; SIGTERM lets the running
+    request finish, refuses new ones, and exits 0."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from dspark_jax import generate
+    from serve.server import pb2, pb2_grpc
+
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "serve", "--model", tiny_model_dir, "--drafter", "none", "--slots", "2",
+           "--max-len", "128", "--port", str(port), "--host", "localhost", "--metrics-port", str(metrics_port),
+           "--mesh", "data=1,tensor=4"]
+    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with grpc.insecure_channel(f"localhost:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def serving():
+                assert process.poll() is None, process.stdout.read()
+                try:
+                    return health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING
+                except grpc.RpcError:
+                    return False
+
+            assert wait_until(serving, timeout=300)
+            stub = pb2_grpc.DSparkStub(channel)
+            info = stub.GetModelInfo(pb2.ModelInfoRequest())
+            assert (info.slots, info.max_context, info.policy, list(info.mesh)) == \
+                (2, 128, "none", ["data=1", "fsdp=1", "tensor=4"])
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            answer = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            names = {s.name for s in answer.list_services_response.service}
+            assert {"dspark.v1.DSpark", "grpc.health.v1.Health"} <= names
+
+            prompts = ["What is two plus two?", "Write one word."]
+            want = generate(target, prompts, max_new_tokens=10, ignore_eos=True)
+            for prompt, ids in zip(prompts, want.token_ids):
+                assert list(stub.Generate(request(prompt=prompt, max_new_tokens=10, ignore_eos=True)).token_ids) == ids
+
+            metrics = urllib.request.urlopen(f"http://localhost:{metrics_port}/metrics", timeout=10).read().decode()
+            assert 'dspark:request_success_total{finished_reason="length"} 2.0' in metrics
+            assert "dspark:time_to_first_token_seconds_count 2.0" in metrics
+
+            stream = stub.GenerateStream(request(prompt="Keep going.", max_new_tokens=80, ignore_eos=True))
+            first = next(stream)
+            process.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status ==
+                              health_pb2.HealthCheckResponse.NOT_SERVING, timeout=30)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(request(prompt="too late", max_new_tokens=4))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            rest = list(stream)
+            assert rest[-1].finish_reason == pb2.LENGTH
+            assert len(first.token_ids) + sum(len(p.token_ids) for p in rest) == 80
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
