@@ -72,14 +72,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sps-table", default=None,
                      help="cost table JSON from python -m dspark_jax.schedule (dspark policies; default: profile)")
     gen.set_defaults(func=_generate)
+    srv = sub.add_parser("serve", help="run the gRPC server (the same as python -m serve)")
+    try:
+        from serve.config import add_arguments
+    except ImportError:  # the serving extra is not installed: say so when the command is used
+        srv.set_defaults(func=_serve_missing)
+    else:
+        add_arguments(srv)
+        srv.set_defaults(func=_serve)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from serve.config import config_from_args
+    from serve.server import serve
+
+    return serve(config_from_args(args))
+
+
+def _serve_missing(args: argparse.Namespace) -> int:
+    raise ValueError("dspark serve needs the serving extra: pip install -e '.[serve]' from the checkout")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:  # user errors: one clear line, no traceback
+    except (ValueError, FileNotFoundError, OSError) as err:  # user errors: one clear line, no traceback
         print(f"dspark: error: {err}", file=sys.stderr)
         return 2
 

@@ -8,7 +8,6 @@ drains: health NOT_SERVING, new requests UNAVAILABLE, every accepted request fin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import queue
 import signal
@@ -22,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serve import protos
+from serve.config import ServeConfig, add_arguments, check_config, config_from_args
 from serve.metrics import ServerMetrics
 from serve.orchestrator import Chunk, Failure, Job, NotServing, Orchestrator, QueueFull
 from serve.requests import InvalidRequest, Limits, prepare
@@ -33,29 +33,6 @@ FINISH = {"length": pb2.LENGTH, "stop": pb2.STOP, "eos": pb2.EOS, "abort": pb2.A
 FAILURE_CODES = {"deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "internal": grpc.StatusCode.INTERNAL,
                  "invalid": grpc.StatusCode.INVALID_ARGUMENT, "cancelled": grpc.StatusCode.CANCELLED}
 POLL_SECONDS = 0.25  # how often a handler waiting for tokens checks that its client is still there
-
-
-@dataclasses.dataclass
-class ServeConfig:
-    """Everything `python -m serve` takes (one flag per field)."""
-
-    model: str = "smollm2-135m"
-    drafter: str = "auto"  # "auto": the model's trained DSpark drafter when one ships, else none
-    port: int = 50051
-    host: str = "[::]"
-    slots: int = 8
-    max_len: int = 2048
-    policy: str | None = None  # default: "dspark" with a drafter, else "none"
-    sps_table: str | None = None
-    block_size: int | None = None
-    mesh: str = ""
-    metrics_port: int | None = None
-    queue_size: int = 64
-    rounds: int = 1
-    dtype: str = "float32"
-    verifier: str = "jnp"
-    max_message_mb: int = 16
-    drain_seconds: float = 600.0
 
 
 def resolve_drafter(config: ServeConfig) -> str | None:
@@ -253,46 +230,12 @@ class Server:
             self.metrics_server.shutdown()
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dspark_jax.schedule import POLICIES
-
-    d = ServeConfig()
-    parser.add_argument("--model", default=d.model, help="model name, .gguf file or HF folder")
-    parser.add_argument("--drafter", default=d.drafter,
-                        help="drafter name or folder, 'ngram', or 'none'; 'auto' takes the model's trained DSpark "
-                             "drafter when one ships with the package")
-    parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--slots", type=int, default=d.slots, help="requests decoded at once")
-    parser.add_argument("--max-len", type=int, default=d.max_len, help="context per request (prompt + new tokens)")
-    parser.add_argument("--policy", default=None, choices=list(POLICIES),
-                        help="verification-length policy (default: dspark with a drafter, none without)")
-    parser.add_argument("--sps-table", default=None, help="cost table JSON (python -m dspark_jax.schedule); "
-                        "default: profiled at start-up for the dspark policies")
-    parser.add_argument("--block-size", type=int, default=None, help="draft tokens per round (default: the drafter's)")
-    parser.add_argument("--mesh", default=d.mesh, help="device mesh, e.g. data=1,tensor=4 (default: one device)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (default: off)")
-    parser.add_argument("--queue-size", type=int, default=d.queue_size,
-                        help="requests that may wait for a slot; past it, RESOURCE_EXHAUSTED")
-    parser.add_argument("--rounds", type=int, default=d.rounds, help="decoding rounds per engine step")
-    parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
-    parser.add_argument("--verifier", default=d.verifier, choices=["jnp", "pallas"])
-    parser.add_argument("--max-message-mb", type=int, default=d.max_message_mb)
-    parser.add_argument("--drain-seconds", type=float, default=d.drain_seconds,
-                        help="on SIGTERM, how long accepted requests may take to finish")
-
-
-def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    return ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
-
-
 def serve(config: ServeConfig) -> int:
     """Run the server until SIGTERM / SIGINT, then drain; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("slots", "queue_size", "rounds", "max_message_mb"):
-        value = getattr(config, name)
-        if value < (0 if name == "queue_size" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {0 if name == 'queue_size' else 1}, got {value}")
+    for noisy in ("absl", "jax"):  # checkpoint-reading and backend-probing chatter
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    check_config(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -49,7 +49,8 @@ def server(target):
     from serve.server import Server
 
     engine = Engine(target, "ngram", slots=2, max_len=256, policy="fixed")
-    srv = Server(engine, target.tokenizer, port=0, host="localhost", queue_size=2, target_name="tiny")
+    srv = Server(engine, target.tokenizer, port=0, host="localhost", queue_size=2, target_name="tiny",
+                 metrics_port=0)
     srv.start(warmup=False)  # programs compile on first use; the binary test covers warmup
     yield srv
     srv.drain(10)
@@ -259,6 +260,28 @@ def test_client_streams_to_the_terminal(server, capsys):
     assert client.main(["Say hi", "--address", f"localhost:{server.port}", "--max-new-tokens", "5"]) == 0
     out, err = capsys.readouterr()
     assert "5 new tokens" in err and "LENGTH" in err
+
+
+def test_load_benchmark_against_a_running_server(server, tmp_path):
+    """serve.bench in --address mode: closed-loop and Poisson levels, counters diffed from the
+    server's metrics endpoint, the report files written."""
+    import json
+
+    from serve import bench
+
+    url = f"http://localhost:{server.metrics_server.server_port}/metrics"
+    argv = ["--address", f"localhost:{server.port}", "--metrics-url", url, "--concurrency", "1", "3", "--rates", "50",
+            "--requests", "3", "--warmup", "1", "--max-new-tokens", "6", "--datasets", "mtbench",
+            "--max-prompt-chars", "300", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["load"], r["value"]) for r in rows] == [("concurrency", 1), ("concurrency", 3), ("rate", 50.0)]
+    for row in rows:
+        assert row["completed"] + row["rejected"] + row["errors"] == 3 and row["errors"] == 0
+        assert row["server"]["spec_decode_num_draft_tokens"] > 0
+        assert row["tpot_s"]["p50"] > 0 and row["ttft_s"]["p50"] > 0
+    assert rows[0]["completed"] == 3 and rows[0]["server"]["generation_tokens"] == 18
+    assert (tmp_path / "throughput.png").stat().st_size > 0 and "| fixed |" in (tmp_path / "results.md").read_text()
 
 
 def test_engine_fault_is_internal_and_turns_health_off(target):
