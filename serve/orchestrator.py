@@ -303,10 +303,15 @@ class Orchestrator:
                              rounds=job.rounds))
 
     def _fail_all(self, err: Exception) -> None:
+        """Refuse new requests, report the fault (health turns NOT_SERVING) and only then fail
+        the requests in flight, so a client that sees INTERNAL already finds health NOT_SERVING."""
         message = f"{type(err).__name__}: {err}"
         log.exception("engine fault; failing every request in flight")
         with self._lock:
             self.fault = message
+        if self.on_fault is not None:
+            self.on_fault(message)
+        with self._lock:
             jobs = list(self._by_id.values())
             self._by_id.clear()
             self._waiting.clear()
@@ -317,5 +322,3 @@ class Orchestrator:
             self.metrics.failed.labels(reason="internal").inc(len(jobs))
             self._update_gauges()
             self._changed.notify_all()
-        if self.on_fault is not None:
-            self.on_fault(message)

@@ -202,9 +202,16 @@ def test_messages_and_token_ids_inputs(stub, target):
     assert list(a.token_ids) == list(b.token_ids) and a.usage.prompt_tokens == len(ids)
 
 
-def test_abort_cancel_and_deadline_free_the_slot(stub, server):
+def test_abort_cancel_and_deadline_free_the_slot(stub, server, monkeypatch):
     from serve.server import pb2
 
+    real_step = server.engine.step
+
+    def slow_step(*args, **kwargs):  # at most ~10 steps a second: the request outlives the abort
+        time.sleep(0.1)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(server.engine, "step", slow_step)
     long = dict(prompt="Go on forever.", max_new_tokens=200, ignore_eos=True)
     stream = stub.GenerateStream(request(request_id="job-1", **long))
     first = next(stream)
@@ -231,14 +238,22 @@ def test_abort_cancel_and_deadline_free_the_slot(stub, server):
     assert wait_until(lambda: server.metrics.running._value.get() == 0)
 
 
-def test_admission_queue_is_bounded(stub, server):
-    """2 slots + 2 waiting places: a burst of 8 long requests gets RESOURCE_EXHAUSTED for some at
-    once, never an unbounded wait; everything accepted completes."""
+def test_admission_queue_is_bounded(stub, server, monkeypatch):
+    """2 slots + 2 waiting places, the engine held inside a step: of 8 requests exactly 4 are
+    accepted and 4 get RESOURCE_EXHAUSTED at once (no unbounded wait); the accepted ones finish."""
+    engine, gate = server.engine, threading.Event()
+    real_step = engine.step
+
+    def held_step(*args, **kwargs):
+        gate.wait(60)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", held_step)
     codes, lock = [], threading.Lock()
 
     def run(i):
         try:
-            stub.Generate(request(prompt=f"Request {i}", max_new_tokens=60, ignore_eos=True), timeout=120)
+            stub.Generate(request(prompt=f"Request {i}", max_new_tokens=20, ignore_eos=True), timeout=120)
             code = "OK"
         except grpc.RpcError as err:
             code = err.code().name
@@ -248,10 +263,12 @@ def test_admission_queue_is_bounded(stub, server):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
+    assert wait_until(lambda: codes.count("RESOURCE_EXHAUSTED") == 4)
+    assert codes == ["RESOURCE_EXHAUSTED"] * 4 and server.orchestrator.in_flight() == 4
+    gate.set()
     for t in threads:
         t.join()
-    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
-    assert codes.count("RESOURCE_EXHAUSTED") >= 1 and codes.count("OK") >= 4
+    assert sorted(codes) == ["OK"] * 4 + ["RESOURCE_EXHAUSTED"] * 4
 
 
 def test_client_streams_to_the_terminal(server, capsys):
