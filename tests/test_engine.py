@@ -203,12 +203,11 @@ def test_two_engines_do_not_share_state(tiny, engines):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", [None, "ngram", "dspark"])
-def test_staggered_arrival_on_real_model(real_target, kind):
+def test_staggered_arrival_on_real_model(real_target):
     """Request A decodes 3 steps (of 2 rounds) alone before B arrives in another slot; both equal
-    their solo runs."""
-    drafter = None if kind is None else (load_drafter("ngram") if kind == "ngram"
-                                         else init_drafter(real_target, kind, seed=0))
+    their solo runs. With the trained DSpark drafter (plain and prompt-lookup slots are covered on
+    the tiny model by test_mixed_batch_and_independent_random_streams)."""
+    drafter = load_drafter("smollm2-135m-dspark", real_target)
     engine = Engine(real_target, drafter, slots=2, max_len=256)
     prompt_a, prompt_b = encode_prompts(real_target.tokenizer, ["List the planets of the solar system, one per line.",
                                                                  "What is the capital of France?"], chat=True)

@@ -85,16 +85,16 @@ def test_prompt_longer_than_context_is_refused(real_target):
         generate(real_target, [[1] * 8190], max_new_tokens=8)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "ngram"])
-def test_greedy_speculative_equals_plain_on_real_model(real_target, kind):
-    from dspark_jax.drafters import init_drafter, load_drafter
+def test_greedy_speculative_equals_plain_on_real_model(real_target):
+    """The trained DSpark drafter (some drafts accepted, some rejected) gives plain greedy's tokens."""
+    from dspark_jax.drafters import load_drafter
 
-    drafter = load_drafter("ngram") if kind == "ngram" else init_drafter(real_target, "dspark", seed=0)
+    drafter = load_drafter("smollm2-135m-dspark", real_target)
     prompts = PROMPTS + ["Repeat after me: one two three, one two three, one two three."]
     plain = generate(real_target, prompts, max_new_tokens=32)
     spec = generate(real_target, prompts, max_new_tokens=32, drafter=drafter, profile=False)
     assert spec.token_ids == plain.token_ids
-    assert spec.stats["tau"] >= 1.0
+    assert spec.stats["tau"] > 1.0  # the drafter really proposed accepted tokens
 
 
 def test_library_runs_without_importing_torch():

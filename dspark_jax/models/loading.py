@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from typing import Callable
 
 import numpy as np
@@ -315,14 +316,22 @@ def converted_gguf(path: str):
         return config, params, tokenizer
     config, params, fields = load_gguf(path)
     tokenizer = tokenizer_from_gguf_fields(fields)
+    # Written beside the final folder and renamed into place: processes converting at once (test
+    # workers, several servers) never read each other's half-written files.
+    staging = f"{folder}.tmp-{os.getpid()}"
     try:
-        os.makedirs(folder, exist_ok=True)
-        save_file(flatten_params(params), os.path.join(folder, "params.safetensors"))
-        with open(os.path.join(folder, "config.json"), "w") as f:
+        os.makedirs(staging, exist_ok=True)
+        save_file(flatten_params(params), os.path.join(staging, "params.safetensors"))
+        with open(os.path.join(staging, "config.json"), "w") as f:
             f.write(config.to_json())
-        tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
-        with open(done, "w") as f:
+        tokenizer.save_pretrained(os.path.join(staging, "tokenizer"))
+        with open(os.path.join(staging, "DONE"), "w") as f:
             f.write(path)
+        if os.path.isdir(folder) and not os.path.isfile(done):
+            shutil.rmtree(folder, ignore_errors=True)  # an unfinished folder left by an older version
+        os.rename(staging, folder)
     except OSError:
-        pass  # a read-only home only loses the cache, not the load
+        pass  # another process finished first, or a read-only home: only the cache is lost, not the load
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return config, params, tokenizer
