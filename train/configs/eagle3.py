@@ -2,4 +2,4 @@
 from train.fit import FitConfig
 
 config = FitConfig(drafter="eagle3", out="runs/eagle3", draft_vocab_size=8192, batch_size=8, seq_len=384,
-                   eagle_steps=7, steps=128, warmup_steps=12, lr=6e-4)
+                   eagle_steps=7, steps=512, warmup_steps=24, lr=6e-4)
