@@ -301,6 +301,23 @@ def test_load_benchmark_against_a_running_server(server, tmp_path):
     assert (tmp_path / "throughput.png").stat().st_size > 0 and "| fixed |" in (tmp_path / "results.md").read_text()
 
 
+def test_soak_with_cancellations_deadlines_and_malformed_requests(server, tmp_path):
+    """A short serve.soak run: no lost or duplicated response, malformed requests refused, and
+    every slot and queue place free afterwards (the 5-minute run is the README's)."""
+    import json
+
+    from serve import soak
+
+    url = f"http://localhost:{server.metrics_server.server_port}/metrics"
+    argv = ["--address", f"localhost:{server.port}", "--metrics-url", url, "--seconds", "6", "--clients", "4",
+            "--max-new-tokens", "12", "--malformed", "0.2", "--out", str(tmp_path / "soak.json")]
+    assert soak.main(argv) == 0
+    report = json.loads((tmp_path / "soak.json").read_text())
+    assert report["problems"] == [] and report["sent"] >= 8 and report["invalid_ok"] >= 1
+    assert report["completed"] >= 1 and all(v == 0 for v in report["gauges_after"].values())
+    assert server.orchestrator.in_flight() == 0
+
+
 def test_engine_fault_is_internal_and_turns_health_off(target):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -362,16 +379,26 @@ def test_binary_sharded_health_reflection_metrics_and_sigterm_drain(tiny_model_d
         with grpc.insecure_channel(f"localhost:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
 
+            stub = pb2_grpc.DSparkStub(channel)
+            early = []  # (health, Generate's status) seen while the server compiles
+
             def serving():
                 assert process.poll() is None, process.stdout.read()
                 try:
-                    return health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING
+                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
                 except grpc.RpcError:
-                    return False
+                    return False  # the port is not open yet
+                if status != health_pb2.HealthCheckResponse.SERVING and not early:
+                    try:
+                        stub.Generate(request(prompt="too early", max_new_tokens=2), timeout=5)
+                        early.append((status, "OK"))
+                    except grpc.RpcError as err:
+                        early.append((status, err.code()))
+                return status == health_pb2.HealthCheckResponse.SERVING
 
             assert wait_until(serving, timeout=300)
-            stub = pb2_grpc.DSparkStub(channel)
+            # Health was NOT_SERVING during warmup, and a request then was refused as UNAVAILABLE.
+            assert early == [(health_pb2.HealthCheckResponse.NOT_SERVING, grpc.StatusCode.UNAVAILABLE)]
             info = stub.GetModelInfo(pb2.ModelInfoRequest())
             assert (info.slots, info.max_context, info.policy, list(info.mesh)) == \
                 (2, 128, "none", ["data=1", "fsdp=1", "tensor=4"])
