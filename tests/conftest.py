@@ -45,6 +45,19 @@ def make_tiny_hf_model(directory: str, family: str, tie: bool, seed: int = 0, **
     return model
 
 
+def wait_until(predicate, timeout=20.0, poll=0.02) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False): for state that
+    another thread (a server's loop) changes."""
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
 @pytest.fixture(scope="session")
 def real_target():
     from dspark_jax import load_target

@@ -16,7 +16,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 
-from conftest import make_tiny_hf_model  # noqa: E402
+from conftest import make_tiny_hf_model, wait_until  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,15 +69,6 @@ def request(**fields):
     from serve.server import pb2
 
     return pb2.GenerateRequest(**fields)
-
-
-def wait_until(predicate, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_outputs_equal_the_library_unary_and_streamed(stub, target):

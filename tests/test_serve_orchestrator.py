@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from conftest import wait_until
 
 from dspark_jax.engine import StepOutput
 from dspark_jax.sampling import SamplingParams
@@ -114,16 +115,7 @@ def test_tokens_text_and_slot_order_worked_out_by_hand(orch):
     assert [i[2] for i in inserts] == [100, 101, 102]
     assert engine.log.index(("free", inserts[1][1])) < engine.log.index(inserts[2])
     assert inserts[2][1] == inserts[1][1]
-    assert _settles(lambda: orch.in_flight() == 0 and sorted(orch._free) == [0, 1])
-
-
-def _settles(predicate, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
+    assert wait_until(lambda: orch.in_flight() == 0 and sorted(orch._free) == [0, 1])
 
 
 def test_queue_limit_cancel_admits_the_next_at_once_and_abort(orch):
@@ -131,7 +123,7 @@ def test_queue_limit_cancel_admits_the_next_at_once_and_abort(orch):
     engine.gate.clear()
     a = orch.submit(job("a", 1, 0, 40))
     b = orch.submit(job("b", 2, 0, 40))
-    assert _settles(lambda: len(orch._running) == 2)  # both in slots, the loop held in its step
+    assert wait_until(lambda: len(orch._running) == 2)  # both in slots, the loop held in its step
     c = orch.submit(job("c", 3, 0, 4))  # the one waiting place
     with pytest.raises(QueueFull):
         orch.submit(job("d", 4, 0, 4))
@@ -146,7 +138,7 @@ def test_queue_limit_cancel_admits_the_next_at_once_and_abort(orch):
     frees = [i for i, e in enumerate(log) if e[0] == "free"]
     insert_c = next(i for i, e in enumerate(log) if e[0] == "insert" and e[2] == 3)
     assert sum(f < insert_c for f in frees) >= 1
-    assert _settles(lambda: orch.in_flight() == 0 and sorted(orch._free) == [0, 1])
+    assert wait_until(lambda: orch.in_flight() == 0 and sorted(orch._free) == [0, 1])
 
 
 def test_stop_string_deadline_drain_and_fault(orch):
