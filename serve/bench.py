@@ -158,8 +158,8 @@ def summarize(outcomes: list[Outcome], args) -> dict:
     done = [o for o in outcomes if o.ok]
     span = (max(o.end for o in outcomes) - min(o.start for o in outcomes)) if outcomes else float("nan")
     tpots = [(o.latency - o.ttft) / (o.tokens - 1) for o in done if o.tokens > 1]
-    good = [o for o, tpot in zip(done, [(o.latency - o.ttft) / max(o.tokens - 1, 1) for o in done])
-            if o.ttft <= args.goodput_ttft and tpot <= args.goodput_tpot]
+    good = [o for o in done if o.ttft <= args.goodput_ttft
+            and (o.latency - o.ttft) / max(o.tokens - 1, 1) <= args.goodput_tpot]
     tokens = sum(o.tokens for o in done)
     codes = {}
     for o in outcomes:
