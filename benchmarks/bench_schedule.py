@@ -123,12 +123,16 @@ def main() -> None:
             print(f"batch {batch:3d}  {name:>15}  {row['throughput']:7.1f} tok/s (runs {spread})  "
                   f"{row['per_request']:6.2f} tok/s/request  verified {row['verified_per_round']:.2f}  "
                   f"tau {row['tau']:.2f}", flush=True)
+        write(results, args)  # after every batch size: a run cut short keeps what it measured
+    print(markdown(results))
+
+
+def write(results: list[dict], args) -> None:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(markdown(results))
     plot(results, os.path.join(args.out, "throughput.png"))
-    print(markdown(results))
 
 
 def best_rows(results: list[dict]) -> list[dict]:

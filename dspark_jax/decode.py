@@ -23,6 +23,7 @@ own seed key and the position (sampling.row_keys), so its output never depends o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -245,31 +246,34 @@ def verify_widths(block_size: int) -> tuple[int, ...]:
     return tuple(widths) + (block_size + 1,)
 
 
+def at_verify_width(lengths: jax.Array, block_size: int, fn, *operands):
+    """fn(w, *operands) for w the smallest compiled width >= max(lengths) + 1, chosen on the device
+    (lax.switch over verify_widths): a round where every row verifies little costs little."""
+    widths = verify_widths(block_size)
+    if len(widths) == 1:
+        return fn(widths[0], *operands)
+    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
+    return jax.lax.switch(index, [functools.partial(fn, w) for w in widths], *operands)
+
+
 def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: DecodeSettings):
-    """Target forward over the first w columns of block [b, G+1], w the smallest compiled width
-    >= max(lengths) + 1 (lax.switch: a round where every row verifies little costs little).
+    """Target forward over the first w columns of block [b, G+1] (at_verify_width).
 
     Returns (logits [b, G+1, V] float32, cache, features [b, G+1, m, e] or None); columns past w
     are zero padding that verification never reads (they lie past every row's l).
     """
     g1 = block.shape[1]
-    widths = verify_widths(g1 - 1)
 
-    def branch(width):
-        def run(cache):
-            hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
-                                           s.feature_layers, kv_len=s.kv_len)
-            pad = [(0, 0), (0, g1 - width)]
-            logits = jnp.pad(logits_from_hidden(params, hidden), pad + [(0, 0)])
-            if feats is not None:
-                feats = jnp.pad(feats, pad + [(0, 0), (0, 0)])
-            return logits, cache, feats
-        return run
+    def run(width, cache):
+        hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
+                                       s.feature_layers, kv_len=s.kv_len)
+        pad = [(0, 0), (0, g1 - width)]
+        logits = jnp.pad(logits_from_hidden(params, hidden), pad + [(0, 0)])
+        if feats is not None:
+            feats = jnp.pad(feats, pad + [(0, 0), (0, 0)])
+        return logits, cache, feats
 
-    if len(widths) == 1:
-        return branch(widths[0])(cache)
-    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
-    return jax.lax.switch(index, [branch(w) for w in widths], cache)
+    return at_verify_width(lengths, g1 - 1, run, cache)
 
 
 def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,
@@ -351,15 +355,15 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
 
         if s.policy in sched.TABLE_POLICIES:
             drafting = sched.drafting_pays(state.lagged_confidences[:, 0], caps, sp, live, state.forwards)
-
-            def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
-                shapes = jax.eval_shape(run_draft, dstate)[0]
-                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
-
-            draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, state.drafter)
-            caps = jnp.where(drafting, caps, 0)
         else:
-            draft, dstate = run_draft(state.drafter)
+            drafting = sp.max_length > 0  # a round that can verify nothing does not draft
+
+        def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
+            shapes = jax.eval_shape(run_draft, dstate)[0]
+            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
+
+        draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, state.drafter)
+        caps = jnp.where(drafting, caps, 0)
     if draft.proposed is not None:
         caps = jnp.minimum(caps, draft.proposed)
     z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
@@ -393,8 +397,11 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     committed_len = jnp.where(live, n_acc + 1, 0)
     cache = dataclasses.replace(cache, lengths=anchor_pos + committed_len)
     if mod is not None:
-        dstate = mod.extend(dparams, params, s.config, s.dconfig, dstate, block, features, positions,
-                            j < committed_len[:, None])
+        def extend(width, dstate):  # only the verified columns: the rest can hold nothing committed
+            return mod.extend(dparams, params, s.config, s.dconfig, dstate, block[:, :width],
+                              None if features is None else features[:, :width], positions[:, :width], (j < committed_len[:, None])[:, :width])
+
+        dstate = at_verify_width(lengths, g, extend, dstate)
 
     k = jnp.arange(g, dtype=jnp.int32)[None, :]
     tried = live[:, None] & (k < lengths[:, None]) & (k <= n_acc[:, None])

@@ -10,22 +10,32 @@ nothing: tau's first term counts live rows); the hardware runs SPS(B) such steps
 expected throughput is Theta = tau * SPS(B). The policies, all jnp code that runs inside the
 engine's step (no host round trip; load, table and threshold are data, never compile keys):
 
-  dspark         Algorithm 1 of the paper: admit the (r, j) in order of survival (ties: row, then
-                 position) while Theta rises, and stop at the first admission that does not
-                 raise it. The stop is what keeps it lossless: whether token j of row r is
-                 verified depends only on tokens before it (section 7's counterexample shows a
-                 global search is biased).
-  dspark-lagged  the production variant: the batch budget K comes from a global search over
-                 the confidences of two rounds earlier (which cannot see this round's tokens),
-                 then the K best current candidates are verified (prefixes by construction).
+  dspark         Algorithm 1 of the paper: admit candidates in order of survival while Theta
+                 rises, and stop at the first admission that does not raise it. The stop is what
+                 keeps it lossless: whether token j of row r is verified depends only on
+                 survivals up to j (section 7's counterexample shows a global search is biased).
+  dspark-lagged  the production variant: the budget comes from a global search over the
+                 confidences of two rounds earlier (which cannot see this round's tokens), then
+                 the best current candidates are verified (prefixes by construction).
   threshold      l_r = the largest j with a_{r,j} >= theta.
   fixed          l_r = G (every row verifies the whole block).
   none           no drafting: plain decoding through the same engine.
 
+Two forms of the dspark policies. `prefix_schedule` and `lagged_schedule` are the paper's, for a
+packed forward whose cost depends on B alone (candidates are single tokens (r, j)). The engine's
+verification forward is dense: every slot runs at the width of the longest row, so it costs
+SPS(R * (1 + max l)) and a token under that width is free. Pricing such a forward by B sends a
+few confident rows deep and makes every slot pay for their width (measured: at batch 8 the
+B-priced schedule verified 1 token per row per round at the width-8 rate, below plain decoding).
+The engine therefore runs the same algorithm over whole levels (`level_schedule`,
+`lagged_level_schedule`): level j is every row's token j, its gain the column sum of survivals,
+its cost the step from width j to j + 1. With one row the two forms coincide.
+
 Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_length`). The two
 dspark policies also skip the drafter altogether in a round where the last round's confidences
-say nothing would be admitted at this load (`drafting_pays`), so at a load where speculation does
-not pay they cost what plain decoding costs, not plain decoding plus a useless draft.
+say nothing would be verified at this load (`drafting_pays`), and every policy skips it when
+`max_length` is 0, so at a load where speculation does not pay a round costs what plain
+decoding costs, not plain decoding plus a useless draft.
 """
 
 from __future__ import annotations
@@ -116,13 +126,16 @@ def _path(sorted_surv: jax.Array, sps_table: jax.Array, rows: int, live: jax.Arr
 
 
 def schedule_of(lengths: jax.Array, surv: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> Schedule:
-    """The Schedule of given lengths: B, the expected tau and throughput under the table."""
+    """The Schedule of given lengths: B, the expected tau, and the throughput the engine's dense
+    forward gets: it runs every slot at the width of the longest row, so it is priced at
+    B = R * (1 + max l) tokens, whatever the shorter rows verify."""
     rows, block = surv.shape
     verified = jnp.arange(block)[None, :] < lengths[:, None]  # [R, G]
     tau = base_tau(rows, live) + jnp.sum(jnp.where(verified, surv, 0.0))
     tokens = (rows + jnp.sum(lengths)).astype(jnp.int32)
+    dense = (rows * (1 + jnp.max(lengths))).astype(jnp.int32)
     return Schedule(lengths=lengths.astype(jnp.int32), tokens=tokens, predicted_tau=tau,
-                    predicted_throughput=tau * sps_at(sps_table, tokens))
+                    predicted_throughput=tau * sps_at(sps_table, dense))
 
 
 # ----------------------------------------------------------------------------- policies
@@ -164,6 +177,62 @@ def lagged_schedule(confidences: jax.Array, lagged_confidences: jax.Array, sps_t
     return lengths_of(order, admitted, rows, block)
 
 
+def level_gains(surv: jax.Array) -> jax.Array:
+    """[G]: the expected tokens level j adds when every row verifies its token j (the column sums
+    of the survivals [R, G]; non-increasing in j, since each row's survival is)."""
+    return jnp.sum(surv, axis=0)
+
+
+def _level_path(gains: jax.Array, sps_table: jax.Array, rows: int, live: jax.Array | None = None) -> jax.Array:
+    """Theta_L [G + 1] when levels 1..L are verified: the dense forward carries R * (1 + L) tokens."""
+    tau = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(gains)]) + base_tau(rows, live)
+    tokens = rows * (1 + jnp.arange(gains.shape[0] + 1, dtype=jnp.int32))
+    return tau * sps_at(sps_table, tokens)
+
+
+def _rows_up_to(level: jax.Array, surv: jax.Array) -> jax.Array:
+    """l [R] int32 = min(level, the row's positions with survival > 0): a row verifies the chosen
+    levels but never a position that cannot be accepted (a free slot, past its cap)."""
+    return jnp.minimum(level, jnp.sum(surv > 0.0, axis=-1)).astype(jnp.int32)
+
+
+def level_schedule(confidences: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """Algorithm 1 for the engine's dense verification forward, with its early stop.
+
+    The engine verifies every slot at one width (the longest row's l + 1), so a round costs
+    SPS(R * (1 + max_r l_r)) whatever the shorter rows verify: once some row verifies j tokens,
+    every other row's tokens up to j are free. The candidates are therefore whole levels: level j
+    (every row's token j) gains sum_r a_{r,j} expected tokens and moves B from R * j to
+    R * (j + 1). Levels are admitted in order (their gains are already sorted) while Theta rises,
+    stopping at the first that does not raise it, so whether token j is verified still depends
+    only on survivals up to j (the early stop's losslessness argument holds unchanged). With one
+    row this is prefix_schedule. confidences [R, G], sps_table [Bmax + 1], live [R] bool or None.
+    Returns lengths [R] int32.
+    """
+    surv = survival(confidences)
+    gains = level_gains(surv)
+    theta = _level_path(gains, sps_table, confidences.shape[0], live)  # [G + 1]
+    stop = (theta[1:] <= theta[:-1]) | (gains <= 0.0)
+    level = jnp.where(stop.any(), jnp.argmax(stop), gains.shape[0])
+    return _rows_up_to(level, surv)
+
+
+def best_level(confidences: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """[] int32: the level L that maximises Theta over all of them (a global search: only safe on
+    confidences that cannot see this round's tokens)."""
+    gains = level_gains(survival(confidences))
+    theta = _level_path(gains, sps_table, confidences.shape[0], live)
+    useful = jnp.concatenate([jnp.ones((1,), bool), gains > 0.0])
+    return jnp.argmax(jnp.where(useful, theta, -1.0)).astype(jnp.int32)  # the first maximum
+
+
+def lagged_level_schedule(confidences: jax.Array, lagged_confidences: jax.Array, sps_table: jax.Array,
+                          live: jax.Array | None = None) -> jax.Array:
+    """The production variant for the dense forward: the level L by a global search over
+    `lagged_confidences` [R, G] (two rounds old), then every row verifies up to L."""
+    return _rows_up_to(best_level(lagged_confidences, sps_table, live), survival(confidences))
+
+
 def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array:
     """l_r = the largest j with a_{r,j} >= threshold (survival is non-increasing in j)."""
     surv = survival(confidences)
@@ -174,12 +243,12 @@ def drafting_pays(past_confidences: jax.Array, caps: jax.Array, params: Schedule
                   round_index: jax.Array) -> jax.Array:
     """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
     last round's confidences [R, G] (past tokens only, so the decision cannot bias the output)
-    say some draft token would be admitted at this load; else the round is plain decoding and
-    saves the drafter's cost. Every PROBE_EVERY-th round drafts anyway, so confidences that were
-    low once are measured again."""
+    say some level would be verified at this load; else the round is plain decoding and saves
+    the drafter's cost. Every PROBE_EVERY-th round drafts anyway (unless max_length is 0), so
+    confidences that were low once are measured again."""
     caps = jnp.minimum(caps, params.max_length)
-    budget = best_budget(cap_confidences(past_confidences, caps), params.sps_table, live)
-    return (budget > 0) | (round_index % PROBE_EVERY == 0)
+    level = best_level(cap_confidences(past_confidences, caps), params.sps_table, live)
+    return ((level > 0) | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:
@@ -196,9 +265,9 @@ def schedule(policy: str, confidences: jax.Array, lagged_confidences: jax.Array,
     caps = jnp.minimum(caps, params.max_length)
     conf = cap_confidences(confidences, caps)
     if policy == "dspark":
-        lengths = prefix_schedule(conf, params.sps_table, live)
+        lengths = level_schedule(conf, params.sps_table, live)
     elif policy == "dspark-lagged":
-        lengths = lagged_schedule(conf, cap_confidences(lagged_confidences, caps), params.sps_table, live)
+        lengths = lagged_level_schedule(conf, cap_confidences(lagged_confidences, caps), params.sps_table, live)
     elif policy == "threshold":
         lengths = threshold_lengths(conf, params.threshold)
     elif policy == "fixed":
@@ -284,9 +353,10 @@ class CostTable:
 def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 4, repeats: int = 3,
                 prompt_len: int = 16) -> CostTable:
     """Measure verification steps per second of `engine` at each width it compiles, every slot
-    live and drafting (the drafter's cost included): SPS(B) for B = slots * w, as a staircase
-    table over B = 0 .. max_tokens (default slots * (G + 1)). Runs the engine's own step program
-    under the "fixed" policy with max_length = w - 1, best of `repeats` timed calls."""
+    live: SPS(B) for B = slots * w, as a staircase table over B = 0 .. max_tokens (default
+    slots * (G + 1)). Runs the engine's own step program under the "fixed" policy with
+    max_length = w - 1, best of `repeats` timed calls. Width 1 (no draft token verified) is a
+    round without the drafter, as the dspark policies run it; wider ones include its cost."""
     from dspark_jax.decode import verify_widths
     from dspark_jax.sampling import SamplingParams
 

@@ -117,6 +117,74 @@ def test_lagged_schedule_equals_plain_loop():
             np.testing.assert_array_equal(np.asarray(fn(conf, lagged, table)), loop_lagged(conf, lagged, table))
 
 
+def loop_level_schedule(conf: np.ndarray, table: np.ndarray, live=None, lagged=False) -> np.ndarray:
+    """Algorithm 1 over whole levels, as a loop: level j costs the dense forward's step from
+    R * j to R * (j + 1) tokens and gains the column sum of survivals; admit while Theta rises
+    (lagged: the first best level over all of them)."""
+    rows, block = conf.shape
+    surv = np.cumprod(np.clip(conf.astype(np.float32), 0, 1), axis=1, dtype=np.float32)
+    sps = lambda b: np.float32(table[b]) if b < len(table) else np.float32(0)  # noqa: E731
+    tau = np.float32(rows if live is None else np.sum(live))
+    best, level = tau * sps(rows), 0
+    for j in range(block):
+        gain = np.float32(0)
+        for r in range(rows):
+            gain = np.float32(gain + surv[r, j])
+        tau = np.float32(tau + gain)
+        theta = np.float32(tau * sps(rows * (j + 2)))
+        if gain <= 0 or (theta <= best and not lagged):
+            break
+        if theta > best:
+            best, level = theta, j + 1
+    return np.minimum(level, (surv > 0).sum(axis=1)).astype(np.int32)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_level_schedule_equals_plain_loop(kind):
+    rng = np.random.default_rng(10 + KINDS.index(kind))
+    fn, lagged = jax.jit(sched.level_schedule), jax.jit(sched.lagged_level_schedule)
+    for _ in range(40):
+        rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
+        conf, table, live = random_case(rng, rows, block, kind)
+        np.testing.assert_array_equal(np.asarray(fn(conf, table)), loop_level_schedule(conf, table))
+        np.testing.assert_array_equal(np.asarray(fn(conf, table, live)), loop_level_schedule(conf, table, live))
+        old, _, _ = random_case(rng, rows, block, kind)
+        expect = np.minimum(loop_level_schedule(old, table, lagged=True).max(initial=0),
+                            (np.cumprod(conf, axis=1) > 0).sum(axis=1))
+        np.testing.assert_array_equal(np.asarray(lagged(conf, old, table)), expect)
+
+
+def test_level_schedule_is_prefix_schedule_for_one_row_and_dense_for_many():
+    rng = np.random.default_rng(4)
+    for _ in range(30):
+        conf, table, _ = random_case(rng, 1, 7, "random")
+        np.testing.assert_array_equal(np.asarray(sched.level_schedule(conf, table)),
+                                      np.asarray(sched.prefix_schedule(conf, table)))
+    # Two rows, widths 1 / 2 / 3 cost 10 / 9 / 5 steps per second. Row 0 is confident, row 1 not:
+    # priced by B, row 0's second token looks cheap (B = 4 still runs at 9), so prefix_schedule
+    # verifies [2, 0] at width 3; the dense forward prices that at 5, and the level schedule
+    # stops at width 2, verifying one token of each row.
+    conf = np.asarray([[0.95, 0.95], [0.3, 0.3]], np.float32)
+    table = np.asarray([10, 10, 10, 9, 9, 5, 5], np.float32)
+    assert np.asarray(sched.prefix_schedule(conf, table)).tolist() == [2, 0]
+    assert np.asarray(sched.level_schedule(conf, table)).tolist() == [1, 1]
+    params = sched.ScheduleParams(jnp.asarray(table), jnp.float32(0.5), jnp.int32(2))
+    out = sched.schedule("dspark", conf, conf, jnp.asarray([2, 2]), params)
+    np.testing.assert_allclose(float(out.predicted_throughput), (2 + 0.95 + 0.3) * 9, rtol=1e-6)
+
+
+def test_steeper_table_never_verifies_more_levels():
+    rng = np.random.default_rng(6)
+    fn = jax.jit(sched.level_schedule)
+    for _ in range(60):
+        rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
+        conf, _, _ = random_case(rng, rows, block, "random")
+        n = rows * (block + 1) + 1
+        mild = (1.0 / (1.0 + rng.uniform(0.0, 0.3) * np.arange(n))).astype(np.float32)
+        steep = (mild * (1.0 / (1.0 + rng.uniform(0.0, 0.5) * np.arange(n)))).astype(np.float32)
+        assert fn(conf, steep).sum() <= fn(conf, mild).sum()
+
+
 def test_threshold_fixed_none_and_caps():
     conf = jnp.asarray([[0.9, 0.9, 0.5, 0.9], [0.4, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
     params = sched.ScheduleParams(sps_table=jnp.ones((16,), jnp.float32), threshold=jnp.float32(0.6),
@@ -271,7 +339,8 @@ def test_engine_lengths_follow_the_policy_and_table(tiny):
         np.testing.assert_allclose(out.round_predicted_tau[r], expect, rtol=1e-5)
         tokens = 4 + sum(out.round_lengths[s][r] for s in range(3))
         assert out.round_tokens[r] == tokens
-        np.testing.assert_allclose(out.round_predicted_throughput[r], expect * _table(4, 3, 0.3)[tokens], rtol=1e-5)
+        dense = 4 * (1 + max(out.round_lengths[s][r] for s in range(3)))  # the forward's real width
+        np.testing.assert_allclose(out.round_predicted_throughput[r], expect * _table(4, 3, 0.3)[dense], rtol=1e-5)
 
     threshold = Engine(target, drafter, slots=4, max_len=128, policy="threshold", threshold=0.4)
     _, out = _engine_rounds(threshold, prompts)
