@@ -75,6 +75,10 @@ class SlotState:
     # one before): the "dspark-lagged" policy sizes its batch budget from [:, 1]. A new engine
     # starts from ones (no history: the budget is what the cost table alone allows).
     lagged_confidences: jax.Array
+    # An exponential average [slots, G] of each slot's calibrated confidences over the rounds it
+    # drafted (sched.GATE_DECAY per round): the dspark policies' drafting gate reads it, so one
+    # unlucky round does not switch drafting off. A new request starts from ones (it drafts first).
+    gate_confidences: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +136,7 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
         committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
-        lagged_confidences=jnp.ones((n, 2, g), jnp.float32))
+        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -220,7 +224,8 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         unreported=set_(state.unreported, True), emitted=set_(state.emitted, 1), budget=set_(state.budget, req.budget),
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
-        accepted=set_(state.accepted, 0), forwards=state.forwards + 1)
+        accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, 1.0),
+        forwards=state.forwards + 1)
 
 
 def free(state: SlotState, slot: jax.Array) -> SlotState:
@@ -354,7 +359,7 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
             return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos, draft_keys, rs)
 
         if s.policy in sched.TABLE_POLICIES:
-            drafting = sched.drafting_pays(state.lagged_confidences[:, 0], caps, sp, live, state.forwards)
+            drafting = sched.drafting_pays(state.gate_confidences, caps, sp, live, state.forwards)
         else:
             drafting = sp.max_length > 0  # a round that can verify nothing does not draft
 
@@ -416,7 +421,10 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
         accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32),
         lagged_confidences=jnp.where(drafting, jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1),
-                                     state.lagged_confidences))  # a round without a draft learns nothing
+                                     state.lagged_confidences),  # a round without a draft learns nothing
+        gate_confidences=jnp.where((drafting & live)[:, None],
+                                   sched.GATE_DECAY * state.gate_confidences + (1 - sched.GATE_DECAY) * conf,
+                                   state.gate_confidences))
     trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,

@@ -32,7 +32,7 @@ The engine therefore runs the same algorithm over whole levels (`level_schedule`
 its cost the step from width j to j + 1. With one row the two forms coincide.
 
 Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_length`). The two
-dspark policies also skip the drafter altogether in a round where the last round's confidences
+dspark policies also skip the drafter altogether in a round where the slots' recent confidences
 say nothing would be verified at this load (`drafting_pays`), and every policy skips it when
 `max_length` is 0, so at a load where speculation does not pay a round costs what plain
 decoding costs, not plain decoding plus a useless draft.
@@ -55,8 +55,10 @@ POLICIES = ("dspark", "dspark-lagged", "threshold", "fixed", "none")
 TABLE_POLICIES = ("dspark", "dspark-lagged")
 DEFAULT_THRESHOLD = 0.5
 # The dspark policies skip the drafter in rounds where recent confidences say no draft token would
-# be admitted; every PROBE_EVERY-th round drafts anyway to measure them again.
+# be admitted; every PROBE_EVERY-th round drafts anyway to measure them again. The confidences the
+# gate reads are averaged over drafted rounds with this decay (one low round does not close it).
 PROBE_EVERY = 16
+GATE_DECAY = 0.75
 
 
 @jax.tree_util.register_dataclass
@@ -239,15 +241,15 @@ def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array
     return jnp.sum((surv >= threshold) & (surv > 0.0), axis=-1).astype(jnp.int32)
 
 
-def drafting_pays(past_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
+def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
                   round_index: jax.Array) -> jax.Array:
     """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
-    last round's confidences [R, G] (past tokens only, so the decision cannot bias the output)
-    say some level would be verified at this load; else the round is plain decoding and saves
-    the drafter's cost. Every PROBE_EVERY-th round drafts anyway (unless max_length is 0), so
-    confidences that were low once are measured again."""
+    slots' recent confidences [R, G] (an average over past drafted rounds, so the decision cannot
+    see this round's tokens and cannot bias the output) say some level would be verified at this
+    load; else the round is plain decoding and saves the drafter's cost. Every PROBE_EVERY-th
+    round drafts anyway (unless max_length is 0), so confidences that were low are measured again."""
     caps = jnp.minimum(caps, params.max_length)
-    level = best_level(cap_confidences(past_confidences, caps), params.sps_table, live)
+    level = best_level(cap_confidences(recent_confidences, caps), params.sps_table, live)
     return ((level > 0) | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
 
 
@@ -350,13 +352,14 @@ class CostTable:
         plt.close(fig)
 
 
-def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 4, repeats: int = 3,
+def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repeats: int = 3,
                 prompt_len: int = 16) -> CostTable:
     """Measure verification steps per second of `engine` at each width it compiles, every slot
     live: SPS(B) for B = slots * w, as a staircase table over B = 0 .. max_tokens (default
     slots * (G + 1)). Runs the engine's own step program under the "fixed" policy with
-    max_length = w - 1, best of `repeats` timed calls. Width 1 (no draft token verified) is a
-    round without the drafter, as the dspark policies run it; wider ones include its cost."""
+    max_length = w - 1, best of `repeats` timed calls, widths interleaved. Width 1 (no draft
+    token verified) is a round without the drafter, as the dspark policies run it; wider ones
+    include its cost."""
     from dspark_jax.decode import verify_widths
     from dspark_jax.sampling import SamplingParams
 
@@ -369,21 +372,20 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 4, repea
     widths = [w for w in verify_widths(g) if engine.slots * w < size] if g else [1]
     ids = [(7 * i + 3) % engine.settings.config.vocab_size for i in range(prompt_len)]
     room = engine.max_len - prompt_len - engine.extra_positions
-    measured = []
-    for w in widths:
-        calls = max(1, min(repeats + 1, room // max(1, rounds * w)))
-        steps = max(1, min(rounds, room // (calls * w)))
-        params = SamplingParams(max_new_tokens=max(1, room), ignore_eos=True)
-        state = engine.new_state()
-        state = engine.insert_many(state, [(slot, ids, params) for slot in range(engine.slots)])
-        best = float("inf")
-        for call in range(calls):
+    calls = repeats + 1  # the first call of each width may compile: untimed
+    steps = {w: max(1, min(rounds, room // (calls * w))) for w in widths}
+    params = SamplingParams(max_new_tokens=max(1, room), ignore_eos=True)
+    states = {w: engine.insert_many(engine.new_state(), [(slot, ids, params) for slot in range(engine.slots)])
+              for w in widths}
+    best = {w: float("inf") for w in widths}
+    for call in range(calls):  # widths interleaved, so the machine's noise hits them alike
+        for w in widths:
             start = time.perf_counter()
-            state, out = engine.step(state, rounds=steps, policy="fixed", max_length=w - 1)
+            states[w], out = engine.step(states[w], rounds=steps[w], policy="fixed", max_length=w - 1)
             seconds = time.perf_counter() - start
-            if call > 0 or calls == 1:  # the first call may compile
-                best = min(best, seconds / max(out.rounds, 1))
-        measured.append(float(np.float32(1.0 / best)))  # as the table holds it
+            if call > 0:
+                best[w] = min(best[w], seconds / max(out.rounds, 1))
+    measured = [float(np.float32(1.0 / best[w])) for w in widths]  # as the table holds it
     return CostTable(slots=engine.slots, block_size=g, widths=list(widths), steps_per_second=measured,
                      table=staircase(engine.slots, widths, measured, size).tolist(),
                      device=jax.devices()[0].device_kind)
