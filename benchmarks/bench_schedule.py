@@ -101,11 +101,11 @@ def main() -> None:
             table = CostTable.load(sps_path)
         for policy, _, engine in configs:
             if table is None and policy.startswith("dspark"):
-                table = engine.profile()  # every slot live, each compiled width, drafter included
+                table = engine.profile()  # every slot live: each compiled width drafting, and a plain round
                 table.model, table.drafter = args.model, args.drafter
                 table.save(sps_path)
-                print(f"batch {batch:3d}  cost table: " + ", ".join(
-                    f"width {w}: {x:.2f} rounds/s" for w, x in zip(table.widths, table.steps_per_second)), flush=True)
+                print(f"batch {batch:3d}  cost table: no draft {table.plain_steps_per_second:.2f} rounds/s, " + ", ".join(
+                    f"width {w}: {x:.2f}" for w, x in zip(table.widths, table.steps_per_second)), flush=True)
             if table is not None and policy.startswith("dspark"):
                 engine.sps_table = table
             run_batch(engine, prompts, args.new_tokens, args.rounds)  # untimed: compiles what the runs use

@@ -325,9 +325,10 @@ class RoundTrace:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundLoad:
-    """Per round: tokens in the verification forward (B = slots + verified drafts: the forward is
-    dense over the slots), and the policy's predicted tau (live rows + the survivals of the
-    verified drafts) and throughput (schedule.Schedule; 0 for rounds not run)."""
+    """Per round: the tokens verification needs (B = slots + verified drafts; the dense forward
+    itself carries slots * (1 + the longest row's drafts)), and the policy's predicted tau (live
+    rows + the survivals of the verified drafts) and throughput at the forward's real width
+    (schedule.Schedule; 0 for rounds not run)."""
 
     tokens: jax.Array
     predicted_tau: jax.Array
@@ -360,15 +361,15 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
 
         if s.policy in sched.TABLE_POLICIES:
             drafting = sched.drafting_pays(state.gate_confidences, caps, sp, live, state.forwards)
+
+            def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
+                shapes = jax.eval_shape(run_draft, dstate)[0]
+                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
+
+            draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, state.drafter)
+            caps = jnp.where(drafting, caps, 0)
         else:
-            drafting = sp.max_length > 0  # a round that can verify nothing does not draft
-
-        def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
-            shapes = jax.eval_shape(run_draft, dstate)[0]
-            return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
-
-        draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, state.drafter)
-        caps = jnp.where(drafting, caps, 0)
+            draft, dstate = run_draft(state.drafter)
     if draft.proposed is not None:
         caps = jnp.minimum(caps, draft.proposed)
     z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)

@@ -138,7 +138,7 @@ class Engine:
         self._schedule = sched.ScheduleParams(
             sps_table=jnp.zeros((sched.table_size(int(slots), self.settings.block_size),), jnp.float32),
             threshold=jnp.asarray(check_threshold(threshold), jnp.float32),
-            max_length=jnp.asarray(self.settings.block_size, jnp.int32))
+            max_length=jnp.asarray(self.settings.block_size, jnp.int32), plain_sps=jnp.zeros((), jnp.float32))
         if sps_table is not None:
             self.sps_table = sps_table
         self.prefill_buckets = prefill_buckets(max_len)
@@ -198,7 +198,8 @@ class Engine:
     def sps_table(self, table) -> None:
         """A CostTable, its JSON path, or an array SPS(B) for B = 0, 1, ...: entries past the
         engine's largest B are dropped, missing ones are 0 (such a batch is never scheduled).
-        A new table is data for the compiled steps: it compiles nothing."""
+        An array carries no rate for a round without a draft: its width-1 entry stands for it
+        (drafting taken as free). A new table is data for the compiled steps: it compiles nothing."""
         if isinstance(table, (str, os.PathLike)):
             table = sched.CostTable.load(os.fspath(table))
         if isinstance(table, sched.CostTable):
@@ -214,8 +215,12 @@ class Engine:
         size = sched.table_size(self.slots, self.block_size)
         padded = np.zeros((size,), np.float32)
         padded[:min(size, values.size)] = values[:size]
+        plain = cost.plain_steps_per_second or float(padded[min(self.slots, size - 1)])  # unknown: no draft cost
+        if not np.isfinite(plain) or plain < 0:
+            raise ValueError(f"plain_steps_per_second must be finite and >= 0, got {plain!r}")
         self.cost_table = cost
-        self._schedule = dataclasses.replace(self._schedule, sps_table=jnp.asarray(padded))
+        self._schedule = dataclasses.replace(self._schedule, sps_table=jnp.asarray(padded),
+                                             plain_sps=jnp.asarray(plain, jnp.float32))
 
     @property
     def threshold(self) -> float:
@@ -405,8 +410,8 @@ class Engine:
             if not isinstance(max_length, (int, np.integer)) or not 0 <= max_length <= self.block_size:
                 raise ValueError(f"max_length must be an integer in [0, {self.block_size}], got {max_length!r}")
             sp = dataclasses.replace(sp, max_length=jnp.asarray(max_length, jnp.int32))
-        if policy in sched.TABLE_POLICIES and self.cost_table is None:
-            self.profile()  # once, before the first step that needs the table
+        if policy in sched.TABLE_POLICIES and self.cost_table is None and max_length != 0:
+            self.profile()  # once, before the first step that needs the table (a cap of 0 never drafts)
         span = self.span_for(state, int(rounds))
         program = self._step_program(int(rounds), span, policy)
         state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)

@@ -16,7 +16,8 @@ engine's step (no host round trip; load, table and threshold are data, never com
                  survivals up to j (section 7's counterexample shows a global search is biased).
   dspark-lagged  the production variant: the budget comes from a global search over the
                  confidences of two rounds earlier (which cannot see this round's tokens), then
-                 the best current candidates are verified (prefixes by construction).
+                 the best current candidates are verified (prefixes by construction; in the
+                 engine's level form, every row up to the chosen level).
   threshold      l_r = the largest j with a_{r,j} >= theta.
   fixed          l_r = G (every row verifies the whole block).
   none           no drafting: plain decoding through the same engine.
@@ -33,9 +34,9 @@ its cost the step from width j to j + 1. With one row the two forms coincide.
 
 Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_length`). The two
 dspark policies also skip the drafter altogether in a round where the slots' recent confidences
-say nothing would be verified at this load (`drafting_pays`), and every policy skips it when
-`max_length` is 0, so at a load where speculation does not pay a round costs what plain
-decoding costs, not plain decoding plus a useless draft.
+say drafting would not beat a plain round at this load (`drafting_pays`; the table holds the
+drafter's cost and `plain_sps` the rate of a round without it), so at a load where speculation
+does not pay a round costs what plain decoding costs, not plain decoding plus a useless draft.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class ScheduleParams:
     sps_table: jax.Array  # [Bmax + 1] float32 verification steps per second at B total tokens
     threshold: jax.Array  # [] float32 survival threshold of the "threshold" policy
     max_length: jax.Array  # [] int32 most draft tokens any row verifies in a round (<= G)
+    plain_sps: jax.Array  # [] float32 steps per second of a round that does not draft (the gate's other choice)
 
 
 @jax.tree_util.register_dataclass
@@ -78,7 +80,7 @@ class Schedule:
     """One round's decision: lengths per row and what the cost model expects of it."""
 
     lengths: jax.Array  # [R] int32 draft tokens each row verifies
-    tokens: jax.Array  # [] int32 B = sum_r (1 + l_r), tokens in the verification forward
+    tokens: jax.Array  # [] int32 B = sum_r (1 + l_r) (the dense forward carries R * (1 + max l))
     predicted_tau: jax.Array  # [] float32 expected committed tokens, sum_r (1 + sum_{j<=l_r} a_{r,j})
     predicted_throughput: jax.Array  # [] float32 predicted_tau * SPS(B), tokens per second
 
@@ -245,12 +247,16 @@ def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: Schedu
                   round_index: jax.Array) -> jax.Array:
     """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
     slots' recent confidences [R, G] (an average over past drafted rounds, so the decision cannot
-    see this round's tokens and cannot bias the output) say some level would be verified at this
-    load; else the round is plain decoding and saves the drafter's cost. Every PROBE_EVERY-th
-    round drafts anyway (unless max_length is 0), so confidences that were low are measured again."""
+    see this round's tokens and cannot bias the output) say the best level, drafter's cost
+    included (the table), beats a round without a draft (params.plain_sps); else the round is
+    plain decoding. Every PROBE_EVERY-th round drafts anyway (unless max_length is 0), so
+    confidences that were low are measured again."""
     caps = jnp.minimum(caps, params.max_length)
-    level = best_level(cap_confidences(recent_confidences, caps), params.sps_table, live)
-    return ((level > 0) | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
+    conf = cap_confidences(recent_confidences, caps)
+    best = _level_path(level_gains(survival(conf)), params.sps_table, conf.shape[0], live)[best_level(
+        conf, params.sps_table, live)]
+    pays = best > base_tau(conf.shape[0], live) * params.plain_sps
+    return (pays | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:
@@ -308,11 +314,12 @@ class CostTable:
     slots: int
     block_size: int
     widths: list[int]  # compiled verification widths (tokens per row)
-    steps_per_second: list[float]  # measured at each width, every slot live
+    steps_per_second: list[float]  # measured at each width, every slot live and drafting
     table: list[float]  # [slots * (G + 1) + 1] SPS(B)
     model: str = ""
     drafter: str = ""
     device: str = ""
+    plain_steps_per_second: float = 0.0  # a round that does not draft (0: unknown, taken as the width-1 entry)
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -355,14 +362,18 @@ class CostTable:
 def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repeats: int = 3,
                 prompt_len: int = 16) -> CostTable:
     """Measure verification steps per second of `engine` at each width it compiles, every slot
-    live: SPS(B) for B = slots * w, as a staircase table over B = 0 .. max_tokens (default
-    slots * (G + 1)). Runs the engine's own step program under the "fixed" policy with
-    max_length = w - 1, best of `repeats` timed calls, widths interleaved. Width 1 (no draft
-    token verified) is a round without the drafter, as the dspark policies run it; wider ones
-    include its cost."""
+    live and drafting (the drafter's cost included): SPS(B) for B = slots * w, as a staircase
+    table over B = 0 .. max_tokens (default slots * (G + 1)); and the rate of a round that does
+    not draft (the dspark gate's other choice). Runs the engine's own step program ("fixed" with
+    max_length = w - 1; "dspark" with max_length 0 for the plain round), best of `repeats` timed
+    calls, all variants interleaved so the machine's noise hits them alike; every call starts
+    from freshly inserted slots, so each is timed at the same context length."""
     from dspark_jax.decode import verify_widths
     from dspark_jax.sampling import SamplingParams
 
+    for name, value in (("rounds", rounds), ("repeats", repeats)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     g = engine.block_size
     size = table_size(engine.slots, g)
     if max_tokens is not None:
@@ -370,25 +381,28 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
             raise ValueError(f"max_tokens must be an integer >= the slot count {engine.slots}, got {max_tokens!r}")
         size = min(size, int(max_tokens) + 1)
     widths = [w for w in verify_widths(g) if engine.slots * w < size] if g else [1]
-    ids = [(7 * i + 3) % engine.settings.config.vocab_size for i in range(prompt_len)]
     room = engine.max_len - prompt_len - engine.extra_positions
-    calls = repeats + 1  # the first call of each width may compile: untimed
-    steps = {w: max(1, min(rounds, room // (calls * w))) for w in widths}
-    params = SamplingParams(max_new_tokens=max(1, room), ignore_eos=True)
-    states = {w: engine.insert_many(engine.new_state(), [(slot, ids, params) for slot in range(engine.slots)])
-              for w in widths}
-    best = {w: float("inf") for w in widths}
-    for call in range(calls):  # widths interleaved, so the machine's noise hits them alike
-        for w in widths:
+    steps = min(int(rounds), room // (max(widths) + 1))
+    if steps < 1:
+        raise ValueError(f"max_len {engine.max_len} leaves no room to profile a round of width {max(widths)}")
+    ids = [(7 * i + 3) % engine.settings.config.vocab_size for i in range(prompt_len)]
+    params = SamplingParams(max_new_tokens=room, ignore_eos=True)
+    variants = [("fixed", w - 1) for w in widths] + ([("dspark", 0)] if g else [])
+    best = {v: float("inf") for v in variants}
+    for call in range(repeats + 1):  # the first call of each variant may compile: untimed
+        for policy, cap in variants:
+            state = None  # one state alive at a time
+            state = engine.insert_many(engine.new_state(), [(slot, ids, params) for slot in range(engine.slots)])
             start = time.perf_counter()
-            states[w], out = engine.step(states[w], rounds=steps[w], policy="fixed", max_length=w - 1)
+            state, out = engine.step(state, rounds=steps, policy=policy, max_length=cap)
             seconds = time.perf_counter() - start
-            if call > 0:
-                best[w] = min(best[w], seconds / max(out.rounds, 1))
-    measured = [float(np.float32(1.0 / best[w])) for w in widths]  # as the table holds it
+            if call > 0 and out.rounds > 0:
+                best[(policy, cap)] = min(best[(policy, cap)], seconds / out.rounds)
+    measured = [float(np.float32(1.0 / best[("fixed", w - 1)])) for w in widths]  # as the table holds it
+    plain = float(np.float32(1.0 / best[("dspark", 0)])) if g else measured[0]
     return CostTable(slots=engine.slots, block_size=g, widths=list(widths), steps_per_second=measured,
                      table=staircase(engine.slots, widths, measured, size).tolist(),
-                     device=jax.devices()[0].device_kind)
+                     device=jax.devices()[0].device_kind, plain_steps_per_second=plain)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -412,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = Engine(target, args.drafter, slots=args.slots, max_len=args.max_len)
     table = profile_sps(engine, args.max_tokens)
     table.model, table.drafter = args.model, args.drafter or ""
+    print(f"no draft   B = {table.slots:5d}  {table.plain_steps_per_second:8.2f} steps/s")
     for w, sps in zip(table.widths, table.steps_per_second):
         print(f"width {w:3d}  B = {table.slots * w:5d}  {sps:8.2f} steps/s  {sps * table.slots * w:9.1f} tokens/s")
     table.save(args.out)

@@ -168,7 +168,7 @@ def test_level_schedule_is_prefix_schedule_for_one_row_and_dense_for_many():
     table = np.asarray([10, 10, 10, 9, 9, 5, 5], np.float32)
     assert np.asarray(sched.prefix_schedule(conf, table)).tolist() == [2, 0]
     assert np.asarray(sched.level_schedule(conf, table)).tolist() == [1, 1]
-    params = sched.ScheduleParams(jnp.asarray(table), jnp.float32(0.5), jnp.int32(2))
+    params = sched.ScheduleParams(jnp.asarray(table), jnp.float32(0.5), jnp.int32(2), jnp.float32(10))
     out = sched.schedule("dspark", conf, conf, jnp.asarray([2, 2]), params)
     np.testing.assert_allclose(float(out.predicted_throughput), (2 + 0.95 + 0.3) * 9, rtol=1e-6)
 
@@ -185,17 +185,35 @@ def test_steeper_table_never_verifies_more_levels():
         assert fn(conf, steep).sum() <= fn(conf, mild).sum()
 
 
+def test_drafting_pays_weighs_the_drafter_cost():
+    # Two rows, confidences 0.5: with the drafter, widths 1 / 2 / 3 run 9 / 8 / 7 rounds/s, so the
+    # best level (2) gives Theta = (2 + 1 + 0.5) * 7 = 24.5; a plain round gives 2 * plain_sps.
+    conf = jnp.full((2, 2), 0.5, jnp.float32)
+    table = jnp.asarray([9, 9, 9, 8, 8, 7, 7], jnp.float32)
+    caps, live = jnp.asarray([2, 2], jnp.int32), jnp.ones((2,), bool)
+
+    def pays(plain, round_index=1, max_length=2):
+        params = sched.ScheduleParams(table, jnp.float32(0.5), jnp.int32(max_length), jnp.float32(plain))
+        return bool(sched.drafting_pays(conf, caps, params, live, jnp.int32(round_index)))
+
+    assert pays(12.0) and not pays(12.5)  # 24.5 against 24 and 25
+    assert pays(12.5, round_index=sched.PROBE_EVERY)  # the probe round drafts anyway...
+    assert not pays(1.0, max_length=0)  # ...but nothing drafts under a cap of 0
+    # After drafting, level 0 is priced with the drafter's cost (9, not plain_sps): level 1 pays.
+    assert np.asarray(sched.level_schedule(conf, table)).tolist() == [2, 2]
+
+
 def test_threshold_fixed_none_and_caps():
     conf = jnp.asarray([[0.9, 0.9, 0.5, 0.9], [0.4, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
     params = sched.ScheduleParams(sps_table=jnp.ones((16,), jnp.float32), threshold=jnp.float32(0.6),
-                                  max_length=jnp.int32(4))
+                                  max_length=jnp.int32(4), plain_sps=jnp.float32(1))
     caps = jnp.asarray([4, 4, 0], jnp.int32)
     run = lambda policy, c=caps, p=params: np.asarray(sched.schedule(policy, conf, conf, c, p).lengths).tolist()  # noqa: E731
     assert run("threshold") == [2, 0, 0]  # survivals 0.9, 0.81, 0.405: two reach 0.6
     assert run("fixed") == [4, 4, 0]
     assert run("none") == [0, 0, 0]
     assert run("fixed", jnp.asarray([1, 3, 0], jnp.int32)) == [1, 3, 0]
-    assert run("fixed", p=sched.ScheduleParams(params.sps_table, params.threshold, jnp.int32(2))) == [2, 2, 0]
+    assert run("fixed", p=sched.ScheduleParams(params.sps_table, params.threshold, jnp.int32(2), params.plain_sps)) == [2, 2, 0]
     out = sched.schedule("fixed", conf, conf, caps, params)
     assert int(out.tokens) == 3 + 8
     np.testing.assert_allclose(float(out.predicted_tau), 3 + (0.9 + 0.81 + 0.405 + 0.3645) + (0.4 * 4), rtol=1e-6)
@@ -387,7 +405,7 @@ def test_profile_sps_cli_and_json_round_trip(tiny, tmp_path):
     engine.warmup(rounds=(1,))  # no table given: warmup profiles one
     table = engine.cost_table
     assert table.widths == [1, 2, 4] and len(table.table) == 2 * 4 + 1
-    assert all(s > 0 for s in table.steps_per_second)
+    assert all(s > 0 for s in table.steps_per_second) and table.plain_steps_per_second > 0
     assert table.table[0] == table.table[2] == table.steps_per_second[0] and table.table[8] == table.steps_per_second[2]
     save_drafter(drafter, str(tmp_path / "drafter"))
     out = tmp_path / "sps.json"
