@@ -75,10 +75,11 @@ def test_prefix_schedule_edges():
     assert np.asarray(sched.prefix_schedule(conf, short)).tolist() == [1, 0]
 
 
-def test_steeper_table_never_verifies_more():
+@pytest.mark.parametrize("policy", ["prefix_schedule", "level_schedule"])
+def test_steeper_table_never_verifies_more(policy):
     rng = np.random.default_rng(3)
-    fn = jax.jit(sched.prefix_schedule)
-    for _ in range(100):
+    fn = jax.jit(getattr(sched, policy))
+    for _ in range(60):
         rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
         conf, _, _ = random_case(rng, rows, block, "random")
         n = rows * (block + 1) + 1
@@ -171,18 +172,6 @@ def test_level_schedule_is_prefix_schedule_for_one_row_and_dense_for_many():
     params = sched.ScheduleParams(jnp.asarray(table), jnp.float32(0.5), jnp.int32(2), jnp.float32(10))
     out = sched.schedule("dspark", conf, conf, jnp.asarray([2, 2]), params)
     np.testing.assert_allclose(float(out.predicted_throughput), (2 + 0.95 + 0.3) * 9, rtol=1e-6)
-
-
-def test_steeper_table_never_verifies_more_levels():
-    rng = np.random.default_rng(6)
-    fn = jax.jit(sched.level_schedule)
-    for _ in range(60):
-        rows, block = SHAPES[int(rng.integers(len(SHAPES)))]
-        conf, _, _ = random_case(rng, rows, block, "random")
-        n = rows * (block + 1) + 1
-        mild = (1.0 / (1.0 + rng.uniform(0.0, 0.3) * np.arange(n))).astype(np.float32)
-        steep = (mild * (1.0 / (1.0 + rng.uniform(0.0, 0.5) * np.arange(n)))).astype(np.float32)
-        assert fn(conf, steep).sum() <= fn(conf, mild).sum()
 
 
 def test_drafting_pays_weighs_the_drafter_cost():
