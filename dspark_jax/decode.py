@@ -403,9 +403,12 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     committed_len = jnp.where(live, n_acc + 1, 0)
     cache = dataclasses.replace(cache, lengths=anchor_pos + committed_len)
     if mod is not None:
+        committed = j < committed_len[:, None]  # [b, G+1]
+
         def extend(width, dstate):  # only the verified columns: the rest can hold nothing committed
-            return mod.extend(dparams, params, s.config, s.dconfig, dstate, block[:, :width],
-                              None if features is None else features[:, :width], positions[:, :width], (j < committed_len[:, None])[:, :width])
+            feats = None if features is None else features[:, :width]
+            return mod.extend(dparams, params, s.config, s.dconfig, dstate, block[:, :width], feats,
+                              positions[:, :width], committed[:, :width])
 
         dstate = at_verify_width(lengths, g, extend, dstate)
 

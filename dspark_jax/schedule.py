@@ -221,13 +221,17 @@ def level_schedule(confidences: jax.Array, sps_table: jax.Array, live: jax.Array
     return _rows_up_to(level, surv)
 
 
+def _level_thetas(confidences: jax.Array, sps_table: jax.Array, live: jax.Array | None) -> jax.Array:
+    """Theta_L [G + 1] of every level L, with -1 for levels that would admit nothing (gain 0)."""
+    gains = level_gains(survival(confidences))
+    theta = _level_path(gains, sps_table, confidences.shape[0], live)
+    return jnp.where(jnp.concatenate([jnp.ones((1,), bool), gains > 0.0]), theta, -1.0)
+
+
 def best_level(confidences: jax.Array, sps_table: jax.Array, live: jax.Array | None = None) -> jax.Array:
     """[] int32: the level L that maximises Theta over all of them (a global search: only safe on
     confidences that cannot see this round's tokens)."""
-    gains = level_gains(survival(confidences))
-    theta = _level_path(gains, sps_table, confidences.shape[0], live)
-    useful = jnp.concatenate([jnp.ones((1,), bool), gains > 0.0])
-    return jnp.argmax(jnp.where(useful, theta, -1.0)).astype(jnp.int32)  # the first maximum
+    return jnp.argmax(_level_thetas(confidences, sps_table, live)).astype(jnp.int32)  # the first maximum
 
 
 def lagged_level_schedule(confidences: jax.Array, lagged_confidences: jax.Array, sps_table: jax.Array,
@@ -253,8 +257,7 @@ def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: Schedu
     confidences that were low are measured again."""
     caps = jnp.minimum(caps, params.max_length)
     conf = cap_confidences(recent_confidences, caps)
-    best = _level_path(level_gains(survival(conf)), params.sps_table, conf.shape[0], live)[best_level(
-        conf, params.sps_table, live)]
+    best = jnp.max(_level_thetas(conf, params.sps_table, live))
     pays = best > base_tau(conf.shape[0], live) * params.plain_sps
     return (pays | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
 
