@@ -33,7 +33,7 @@ from dspark_jax import schedule as sched
 from dspark_jax.calibration import confidence_probs
 from dspark_jax.drafters.config import DraftOutput, DrafterConfig
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.transformer import KVCache, forward, init_cache, logits_from_hidden
+from dspark_jax.models.transformer import KVCache, forward, forward_chunk, init_cache, logits_from_hidden, write_chunk_kv
 from dspark_jax.sampling import RowSampling, all_greedy, filtered_probs, row_keys, sample_tokens
 from dspark_jax.verify import verify_block, verify_greedy
 
@@ -185,22 +185,23 @@ def put_rows(tree, axes, rows: jax.Array, values):
 def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeSettings) -> SlotState:
     """Prefill a batch of requests into their slots and sample each one's first token.
 
-    The prompts run through the target with a KV cache of their own bucketed length, which is
-    then written into the slots' rows (attention never touches the engine's full max_len here).
+    The prompts run through the target on their own (causal attention over the bucketed prompt,
+    never over the engine's full max_len cache); their K/V are then written into the slots' rows.
     The first token becomes the slot's anchor and is reported by the next step.
     """
     n, p = req.tokens.shape
     cfg = s.config
     slots = jnp.where(req.slots >= 0, req.slots, s.slots)  # padding -> out of range -> dropped
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
-    small = init_cache(cfg, n, p, state.cache.k[0].dtype)
-    hidden, small, features = forward(params, cfg, req.tokens, positions, small, s.feature_layers)
+    hidden, chunk, features = forward_chunk(params, cfg, req.tokens, positions, None, s.feature_layers)
     last = jnp.take_along_axis(hidden, (req.lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, e]
     keys = row_keys(req.seed_key, req.lengths, KEY_FIRST_TOKEN)
     first = sample_tokens(logits_from_hidden(params, last), keys, req.sampling)  # [n]
     cache = KVCache(
-        k=tuple(big.at[slots, :, :p].set(part, mode="drop") for big, part in zip(state.cache.k, small.k)),
-        v=tuple(big.at[slots, :, :p].set(part, mode="drop") for big, part in zip(state.cache.v, small.v)),
+        k=tuple(big.at[slots, :, :p].set(jnp.swapaxes(part, 1, 2).astype(big.dtype), mode="drop")
+                for big, part in zip(state.cache.k, chunk.k)),
+        v=tuple(big.at[slots, :, :p].set(jnp.swapaxes(part, 1, 2).astype(big.dtype), mode="drop")
+                for big, part in zip(state.cache.v, chunk.v)),
         lengths=state.cache.lengths.at[slots].set(req.lengths, mode="drop"))
 
     dstate = state.drafter
@@ -265,20 +266,27 @@ def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: Deco
     """Target forward over the first w columns of block [b, G+1] (at_verify_width).
 
     Returns (logits [b, G+1, V] float32, cache, features [b, G+1, m, e] or None); columns past w
-    are zero padding that verification never reads (they lie past every row's l).
+    are zero padding that verification never reads (they lie past every row's l). The branches
+    only read the cache; the chunk's K/V (zero past w) are written once after the switch, all
+    G+1 columns: a branch that wrote the cache would make XLA copy it every round. The padding
+    lands in slots past each row's committed length, which hold nothing that is read.
     """
     g1 = block.shape[1]
+    if len(verify_widths(g1 - 1)) == 1:  # no switch (plain decoding): write first, in place
+        hidden, cache, feats = forward(params, s.config, block, positions, cache, s.feature_layers, kv_len=s.kv_len)
+        return logits_from_hidden(params, hidden), cache, feats
 
     def run(width, cache):
-        hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
-                                       s.feature_layers, kv_len=s.kv_len)
+        hidden, chunk, feats = forward_chunk(params, s.config, block[:, :width], positions[:, :width], cache,
+                                             s.feature_layers, kv_len=s.kv_len)
         pad = [(0, 0), (0, g1 - width)]
         logits = jnp.pad(logits_from_hidden(params, hidden), pad + [(0, 0)])
         if feats is not None:
             feats = jnp.pad(feats, pad + [(0, 0), (0, 0)])
-        return logits, cache, feats
+        return logits, chunk.pad_to(g1), feats
 
-    return at_verify_width(lengths, g1 - 1, run, cache)
+    logits, chunk, feats = at_verify_width(lengths, g1 - 1, run, cache)
+    return logits, write_chunk_kv(cache, chunk, positions[:, 0]), feats
 
 
 def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,
@@ -405,12 +413,10 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     if mod is not None:
         committed = j < committed_len[:, None]  # [b, G+1]
 
-        def extend(width, dstate):  # only the verified columns: the rest can hold nothing committed
-            feats = None if features is None else features[:, :width]
-            return mod.extend(dparams, params, s.config, s.dconfig, dstate, block[:, :width], feats,
-                              positions[:, :width], committed[:, :width])
-
-        dstate = at_verify_width(lengths, g, extend, dstate)
+        # All G+1 columns, outside the width switch: a switch whose branches update the drafter's
+        # context would make XLA copy it every round, which costs more than the few unverified
+        # columns (masked by `committed`, their features are zero padding).
+        dstate = mod.extend(dparams, params, s.config, s.dconfig, dstate, block, features, positions, committed)
 
     k = jnp.arange(g, dtype=jnp.int32)[None, :]
     tried = live[:, None] & (k < lengths[:, None]) & (k <= n_acc[:, None])
