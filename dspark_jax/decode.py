@@ -365,7 +365,8 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
 
         def run_draft(dstate):
-            return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos, draft_keys, rs)
+            return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos, draft_keys, rs,
+                             kv_len=s.kv_len)
 
         if s.policy in sched.TABLE_POLICIES:
             drafting = sched.drafting_pays(state.gate_confidences, caps, sp, live, state.forwards)

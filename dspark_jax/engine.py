@@ -295,7 +295,8 @@ class Engine:
     def span_for(self, state: SlotState, rounds: int) -> int:
         """The smallest attention span holding every live row through `rounds` more rounds (a
         round adds at most G+1 positions). Reads the rows' lengths: a few bytes, between steps."""
-        lengths, live = jax.device_get((state.cache.lengths, state.occupied & ~state.done))
+        lengths, occupied, done = jax.device_get((state.cache.lengths, state.occupied, state.done))
+        live = occupied & ~done  # on the host: an eager device op would compile after warmup
         longest = int(lengths[live].max()) if live.any() else 0
         need = longest + rounds * (self.block_size + 1)
         return next((span for span in self.attention_spans if span >= need), self.max_len)

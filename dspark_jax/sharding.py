@@ -294,13 +294,13 @@ def kv_cache_axes(cache):
 
 
 def drafter_state_axes(state):
-    """DFlashState k, v [layers, b, S, kv, d]; Eagle3State k, v [b, S, kv, d], pending [b, e];
+    """DFlashState k, v [layers, b, kv, S, d]; Eagle3State k, v [b, S, kv, d], pending [b, e];
     NgramState history [b, S]. None for None."""
     if state is None:
         return None
     name = type(state).__name__
     if name == "DFlashState":
-        axes = ("layers", "cache_batch", "cache_seq", "kv_heads", "head_dim")
+        axes = ("layers", "cache_batch", "kv_heads", "cache_seq", "head_dim")
         return type(state)(k=axes, v=axes)
     if name == "Eagle3State":
         axes = ("cache_batch", "cache_seq", "kv_heads", "head_dim")

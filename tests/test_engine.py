@@ -4,6 +4,8 @@ arrival with every drafter."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -146,6 +148,30 @@ def test_no_compile_after_warmup(engines):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert "/jax/core/compile/backend_compile_duration" not in compiles, compiles
     assert 1 <= len(tokens[2]) <= 4
+
+
+def _copied_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    """Dimensions of every copy instruction in compiled HLO text."""
+    shapes = []
+    for match in re.finditer(r"= [a-z0-9]+\[([0-9,]*)\]\S* copy\(", hlo_text):
+        shapes.append(tuple(int(x) for x in match.group(1).split(",") if x))
+    return shapes
+
+
+@pytest.mark.parametrize("kind,policy", [(None, "none"), ("dspark", "fixed"), ("dspark", "dspark")])
+def test_step_never_copies_a_cache(engines, kind, policy):
+    """The decode step updates the target's KV cache and the drafter's context in place: no copy
+    of either (in any axis order) in the compiled program. A lax.switch over verification
+    widths whose branches wrote the cache made XLA copy it every round; this pins the fix."""
+    engine = engines[kind]
+    state = engine.new_state()
+    cache_shapes = {tuple(sorted(leaf.shape)) for leaf in jax.tree.leaves((state.cache.k, state.cache.v, state.drafter))
+                    if leaf.ndim >= 3}
+    assert cache_shapes
+    text = engine._step_program(1, engine.max_len, policy).as_text()
+    copies = [shape for shape in _copied_shapes(text) if tuple(sorted(shape)) in cache_shapes]
+    assert not copies, f"{len(copies)} cache-sized copies per step: {copies[:4]}"
+    assert _copied_shapes("%c = f32[4,2,8]{2,1,0} copy(%a)") == [(4, 2, 8)]  # the parser itself
 
 
 def test_bad_input_is_refused_and_changes_nothing(tiny, engines):

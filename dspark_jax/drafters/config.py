@@ -13,7 +13,7 @@ pytrees); the engine's step (`dspark_jax.decode`) only calls these:
         positions [b, t], their target features [b, t, m, e] (layers dcfg.target_layer_ids,
         None for drafters that read no features), valid [b, t] bool (only valid entries are
         written; invalid ones must leave the state unchanged).
-    draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling)
+    draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling, kv_len=None)
         -> (DraftOutput, state)
         Propose dcfg.block_size tokens after the anchor [b] int32 sitting at position
         anchor_pos [b] (the anchor itself is committed but not yet in the context: its
@@ -22,7 +22,9 @@ pytrees); the engine's step (`dspark_jax.decode`) only calls these:
         [b, 2] the rows' keys for this round (position k folds in k): a greedy row drafts the
         argmax with a one-hot q_k; a sampled row samples token k from its filtered draft
         distribution q_k (sample_with_probs of the corrected logits), returned in
-        DraftOutput.probs.
+        DraftOutput.probs. `kv_len` (static, optional) is a bound the caller guarantees on every
+        anchor_pos: a drafter may read only context slots below it, as the target's attention
+        does, so a short context does not pay for the whole cache.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class DFlashState:
     masks them by position, so they never need erasing.
     """
 
-    k: jax.Array  # [layers, b, cache_len, kv_heads, head_dim]
-    v: jax.Array  # [layers, b, cache_len, kv_heads, head_dim]
+    k: jax.Array  # [layers, b, kv_heads, cache_len, head_dim] (kv-major, as the target's cache:
+    v: jax.Array  # [layers, b, kv_heads, cache_len, head_dim]  attention never transposes it)
 
 
 def _check(tcfg: ModelConfig, dcfg: DrafterConfig) -> None:
@@ -96,14 +96,14 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
 
 
 def init_state(params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, batch: int, cache_len: int) -> DFlashState:
-    shape = (dcfg.num_layers, batch, cache_len, tcfg.num_kv_heads, tcfg.head_dim)
+    shape = (dcfg.num_layers, batch, tcfg.num_kv_heads, cache_len, tcfg.head_dim)
     dtype = params["w_c"].dtype
     return DFlashState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 # ----------------------------------------------------------------------------- backbone
 def _context_kv(params: dict, tcfg: ModelConfig, features: jax.Array, positions: jax.Array):
-    """Features [b, t, m, e] at positions [b, t] -> roped K and V [layers, b, t, kv_heads, d].
+    """Features [b, t, m, e] at positions [b, t] -> roped K and V [layers, b, kv_heads, t, d].
 
     The context enters every drafter layer through that layer's own W_K / W_V applied to
     ctx_i = RMSNorm(W_c f_i) (no per-layer input norm, as in DFlash).
@@ -115,7 +115,7 @@ def _context_kv(params: dict, tcfg: ModelConfig, features: jax.Array, positions:
 
     def layer(_, lp):
         _, k, v = project_qkv(lp, tcfg, ctx, rope)  # q is dead code under jit
-        return None, (k, v)
+        return None, (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))  # kv-major
 
     _, (k, v) = jax.lax.scan(layer, None, params["layers"])
     return k, v
@@ -124,21 +124,21 @@ def _context_kv(params: dict, tcfg: ModelConfig, features: jax.Array, positions:
 def _block_attention(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v):
     """Joint softmax over a block's visible context slots and its own positions.
 
-    q [b, a, G, heads, d]; ctx_k, ctx_v [b, s, kv, d] shared by all blocks of a row;
+    q [b, a, G, heads, d]; ctx_k, ctx_v [b, kv, s, d] shared by all blocks of a row;
     ctx_visible [b, a, s] bool; blk_k, blk_v [b, a, G, kv, d]. Returns [b, a, G, heads * d].
     Blockwise so training never materialises scores between different blocks.
     """
     b, a, G, nh, d = q.shape
-    kv = ctx_k.shape[2]
+    kv = ctx_k.shape[1]
     qg = q.reshape(b, a, G, kv, nh // kv, d)
     scale = 1.0 / math.sqrt(d)
-    s_ctx = jnp.einsum("baqkgd,bskd->bakgqs", qg, ctx_k.astype(q.dtype), preferred_element_type=jnp.float32)
+    s_ctx = jnp.einsum("baqkgd,bksd->bakgqs", qg, ctx_k.astype(q.dtype), preferred_element_type=jnp.float32)
     s_blk = jnp.einsum("baqkgd,barkd->bakgqr", qg, blk_k, preferred_element_type=jnp.float32)
     s_ctx = jnp.where(ctx_visible[:, :, None, None, None, :], s_ctx * scale, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk * scale], axis=-1), axis=-1)
     w_ctx = weights[..., : s_ctx.shape[-1]].astype(q.dtype)  # [b, a, k, g, G, s]
     w_blk = weights[..., s_ctx.shape[-1]:].astype(q.dtype)  # [b, a, k, g, G, G]
-    out = (jnp.einsum("bakgqs,bskd->baqkgd", w_ctx, ctx_v.astype(q.dtype))
+    out = (jnp.einsum("bakgqs,bksd->baqkgd", w_ctx, ctx_v.astype(q.dtype))
            + jnp.einsum("bakgqr,barkd->baqkgd", w_blk, blk_v))
     return out.reshape(b, a, G, nh * d)
 
@@ -146,7 +146,7 @@ def _block_attention(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v):
 def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, anchor_tokens, block_pos):
     """Drafter layers over blocks [E(anchor), MASK...] -> final-normed hidden [b, a, G, e].
 
-    ctx_k, ctx_v [layers, b, s, kv, d]; ctx_visible [b, a, s]; anchor_tokens [b, a];
+    ctx_k, ctx_v [layers, b, kv, s, d]; ctx_visible [b, a, s]; anchor_tokens [b, a];
     block_pos [b, a, G] rotary positions anchor_pos + k.
     """
     b, a, G = block_pos.shape
@@ -199,22 +199,25 @@ def extend(params, target_params, tcfg, dcfg, state: DFlashState, tokens, featur
     features [b, t, m, e], positions [b, t] int32, valid [b, t] bool.
     """
     del target_params, tokens
-    k, v = _context_kv(params, tcfg, features, positions)  # [layers, b, t, kv, d]
-    cache_len = state.k.shape[2]
+    k, v = _context_kv(params, tcfg, features, positions)  # [layers, b, kv, t, d]
+    cache_len = state.k.shape[3]
     slot = jnp.where(valid, positions, cache_len)  # invalid -> out of range -> dropped
     rows = jnp.arange(slot.shape[0])[:, None]
-    new_k = state.k.at[:, rows, slot].set(k.astype(state.k.dtype), mode="drop")
-    new_v = state.v.at[:, rows, slot].set(v.astype(state.v.dtype), mode="drop")
+    # The indices (rows, slot) [b, t] are split by a slice, so the indexed shape is [b, t, layers, kv, d].
+    new_k = state.k.at[:, rows, :, slot].set(jnp.transpose(k, (1, 3, 0, 2, 4)).astype(state.k.dtype), mode="drop")
+    new_v = state.v.at[:, rows, :, slot].set(jnp.transpose(v, (1, 3, 0, 2, 4)).astype(state.v.dtype), mode="drop")
     return DFlashState(k=new_k, v=new_v)
 
 
-def _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos):
-    """Backbone hidden [b, G, e] of the block after `anchor` [b] at `anchor_pos` [b]."""
+def _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, kv_len=None):
+    """Backbone hidden [b, G, e] of the block after `anchor` [b] at `anchor_pos` [b], attending to
+    context slots [0, kv_len) only (static; every anchor_pos must be below it)."""
     G = dcfg.block_size
-    slots = jnp.arange(state.k.shape[2], dtype=jnp.int32)
+    span = state.k.shape[3] if kv_len is None else min(int(kv_len), state.k.shape[3])
+    slots = jnp.arange(span, dtype=jnp.int32)
     ctx_visible = (slots[None, :] < anchor_pos[:, None])[:, None, :]  # [b, 1, s]
     block_pos = (anchor_pos[:, None] + jnp.arange(G, dtype=jnp.int32))[:, None, :]  # [b, 1, G]
-    h = _block_hidden(params, target_params, tcfg, dcfg, state.k, state.v, ctx_visible,
+    h = _block_hidden(params, target_params, tcfg, dcfg, state.k[..., :span, :], state.v[..., :span, :], ctx_visible,
                       anchor[:, None], block_pos)
     return h[:, 0]
 
@@ -226,7 +229,7 @@ def draft_backbone(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)
 
 
 def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling: RowSampling,
-          forced_tokens=None):
+          forced_tokens=None, kv_len=None):
     """Draft G tokens after the anchor; see the interface in drafters/config.py.
 
     The sequential head runs left to right in a lax.scan, each position conditioned on the token
@@ -235,7 +238,7 @@ def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sa
     """
     G = dcfg.block_size
     b = anchor.shape[0]
-    h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)  # [b, G, e]
+    h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, kv_len)  # [b, G, e]
     base = vocab.draft_logits(params, target_params, h)  # [b, G, N]
     forced = jnp.zeros((b, G), jnp.int32) if forced_tokens is None else forced_tokens.astype(jnp.int32)
 
@@ -243,16 +246,18 @@ def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sa
         prev, rnn_state = carry
         u_k, h_k, k, forced_k = xs
         bias, conf, rnn_state = _head_outputs(params, dcfg, h_k, prev, rnn_state)
-        logits = vocab.to_full_vocab(params, tcfg.vocab_size, u_k + bias)  # [b, V]
-        token, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, k), sampling)
+        # Sampled over the draft vocabulary [b, N]: the same distribution as over all V ids
+        # (every other id has probability 0), at N/V of the cost inside the sequential scan.
+        index, probs = sample_with_probs(u_k + bias, jax.vmap(jax.random.fold_in, (0, None))(keys, k), sampling)
+        token = vocab.to_target_ids(params, index)
         if forced_tokens is not None:
             token = forced_k
         return (token, rnn_state), (token, probs, conf)
 
     xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(h, 1, 0), jnp.arange(G), jnp.moveaxis(forced, 1, 0))
     _, (tokens, probs, conf) = jax.lax.scan(step, (anchor.astype(jnp.int32), _rnn_zeros(dcfg, b)), xs)
-    out = DraftOutput(tokens=jnp.moveaxis(tokens, 0, 1), probs=jnp.moveaxis(probs, 0, 1),
-                      confidence_logits=jnp.moveaxis(conf, 0, 1))
+    probs = vocab.to_full_vocab(params, tcfg.vocab_size, jnp.moveaxis(probs, 0, 1), fill=0.0)  # [b, G, V]
+    out = DraftOutput(tokens=jnp.moveaxis(tokens, 0, 1), probs=probs, confidence_logits=jnp.moveaxis(conf, 0, 1))
     return out, state
 
 
@@ -273,7 +278,7 @@ def train_forward(params, target_params, tcfg, dcfg, tokens, features, anchors):
     b, T = tokens.shape
     A, G = anchors.shape[1], dcfg.block_size
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
-    ctx_k, ctx_v = _context_kv(params, tcfg, features, positions)  # [layers, b, T, kv, d]
+    ctx_k, ctx_v = _context_kv(params, tcfg, features, positions)  # [layers, b, kv, T, d]
     anchors = anchors.astype(jnp.int32)
     ctx_visible = jnp.arange(T)[None, None, :] < anchors[:, :, None]  # [b, A, T]
     block_pos = anchors[:, :, None] + jnp.arange(G, dtype=jnp.int32)  # [b, A, G]

@@ -182,8 +182,10 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
 
 
 def draft(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, state: Eagle3State,
-          anchor: jax.Array, anchor_pos: jax.Array, keys: jax.Array, sampling: RowSampling):
-    """Draft dcfg.block_size tokens after anchor [b] at anchor_pos [b] -> (DraftOutput, state)."""
+          anchor: jax.Array, anchor_pos: jax.Array, keys: jax.Array, sampling: RowSampling, kv_len=None):
+    """Draft dcfg.block_size tokens after anchor [b] at anchor_pos [b] -> (DraftOutput, state).
+    kv_len is not used: the draft writes its own steps into the cache, so it keeps the whole buffer."""
+    del kv_len
     out, _, state = draft_with_logits(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling)
     return out, state
 

@@ -43,9 +43,9 @@ def extend(params, target_params, tcfg, dcfg, state: NgramState, tokens, feature
 
 
 def draft(params, target_params, tcfg: ModelConfig, dcfg: DrafterConfig, state: NgramState, anchor, anchor_pos,
-          keys, sampling):
+          keys, sampling, kv_len=None):
     """Match the n tokens ending at the anchor against every earlier window; copy what followed."""
-    del params, keys, sampling
+    del params, keys, sampling, kv_len  # the history is a few bytes a slot: matched whole
     b, s = state.history.shape
     g = dcfg.block_size
     slot = jnp.arange(s)[None, :]  # [1, s]

@@ -38,12 +38,26 @@ def bind_head(params: dict, target_params: dict) -> dict:
     return {**params, "draft_head": jnp.take(lm_head_weight(target_params), params["draft_vocab"], axis=0)}
 
 
-def to_full_vocab(params: dict, vocab_size: int, logits: jax.Array) -> jax.Array:
-    """Scatter reduced logits [..., N] into [..., V] with -inf outside the draft vocabulary."""
+def to_full_vocab(params: dict, vocab_size: int, values: jax.Array, fill: float = -jnp.inf) -> jax.Array:
+    """Spread reduced values [..., N] over [..., V], `fill` outside the draft vocabulary (-inf for
+    logits, 0 for probabilities).
+
+    Written as a gather through the inverse map (target id -> draft index): XLA:CPU ran the
+    equivalent scatter over a [b, G, N] input about 3x slower.
+    """
     if "draft_vocab" not in params:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (vocab_size,), -jnp.inf, logits.dtype)
-    return full.at[..., params["draft_vocab"]].set(logits)
+        return values
+    ids = params["draft_vocab"]
+    inverse = jnp.full((vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    spread = jnp.take(values, jnp.maximum(inverse, 0), axis=-1)  # [..., V]
+    return jnp.where(inverse >= 0, spread, jnp.asarray(fill, values.dtype))
+
+
+def to_target_ids(params: dict, index: jax.Array) -> jax.Array:
+    """Draft-vocabulary indices -> target token ids (the identity when the vocabulary is not reduced)."""
+    if "draft_vocab" not in params:
+        return index
+    return jnp.take(params["draft_vocab"], index).astype(jnp.int32)
 
 
 def check_size(size: int | None, vocab_size: int) -> str | None:
