@@ -262,31 +262,37 @@ def at_verify_width(lengths: jax.Array, block_size: int, fn, *operands):
     return jax.lax.switch(index, [functools.partial(fn, w) for w in widths], *operands)
 
 
-def verify_forward(params, cache: KVCache, block, positions, lengths, *, s: DecodeSettings):
-    """Target forward over the first w columns of block [b, G+1] (at_verify_width).
+def verify(params, cache: KVCache, draft: DraftOutput, block, positions, lengths, keys, rs: RowSampling, *,
+           s: DecodeSettings):
+    """Target forward over the first w columns of block [b, G+1] (at_verify_width) and the
+    verification rule on those columns.
 
-    Returns (logits [b, G+1, V] float32, cache, features [b, G+1, m, e] or None); columns past w
-    are zero padding that verification never reads (they lie past every row's l). The branches
-    only read the cache; the chunk's K/V (zero past w) are written once after the switch, all
-    G+1 columns: a branch that wrote the cache would make XLA copy it every round. The padding
-    lands in slots past each row's committed length, which hold nothing that is read.
+    Returns (num_accepted [b], next_token [b], cache, features [b, G+1, m, e] or None; zero past
+    w). Everything that scales with the width (forward, LM head, the rule over [b, w, V]) runs
+    inside the width's branch, so a round that verifies little neither pays for nor writes
+    G+1 columns of logits. The branches only read the cache; the chunk's K/V (zero past w) are
+    written once after the switch, all G+1 columns: a branch that wrote the cache would make XLA
+    copy it every round. The padding lands in slots past each row's committed length, which hold
+    nothing that is read.
     """
     g1 = block.shape[1]
     if len(verify_widths(g1 - 1)) == 1:  # no switch (plain decoding): write first, in place
         hidden, cache, feats = forward(params, s.config, block, positions, cache, s.feature_layers, kv_len=s.kv_len)
-        return logits_from_hidden(params, hidden), cache, feats
+        return (*verify_rule(draft, logits_from_hidden(params, hidden), lengths, keys, rs, s=s), cache, feats)
 
     def run(width, cache):
         hidden, chunk, feats = forward_chunk(params, s.config, block[:, :width], positions[:, :width], cache,
                                              s.feature_layers, kv_len=s.kv_len)
-        pad = [(0, 0), (0, g1 - width)]
-        logits = jnp.pad(logits_from_hidden(params, hidden), pad + [(0, 0)])
+        # Drafts past every row's l are never read.
+        head = DraftOutput(tokens=draft.tokens[:, :width - 1], probs=draft.probs[:, :width - 1],
+                           confidence_logits=draft.confidence_logits[:, :width - 1])
+        n_acc, next_token = verify_rule(head, logits_from_hidden(params, hidden), lengths, keys, rs, s=s)
         if feats is not None:
-            feats = jnp.pad(feats, pad + [(0, 0), (0, 0)])
-        return logits, chunk.pad_to(g1), feats
+            feats = jnp.pad(feats, [(0, 0), (0, g1 - width), (0, 0), (0, 0)])
+        return n_acc, next_token, chunk.pad_to(g1), feats
 
-    logits, chunk, feats = at_verify_width(lengths, g1 - 1, run, cache)
-    return logits, write_chunk_kv(cache, chunk, positions[:, 0]), feats
+    n_acc, next_token, chunk, feats = at_verify_width(lengths, g1 - 1, run, cache)
+    return n_acc, next_token, write_chunk_kv(cache, chunk, positions[:, 0]), feats
 
 
 def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,
@@ -294,7 +300,7 @@ def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array
     """(num_accepted [b], next_token [b]): the greedy rule when every row is greedy, else
     lossless rejection sampling (jnp reference or Pallas kernel) on the filtered distributions,
     where a greedy row's one-hot distributions make the same rule exact greedy decoding."""
-    b, g1, v = target_logits.shape
+    b, g1, v = target_logits.shape  # g1: the verified width, at most G+1
 
     def greedy(logits):
         return verify_greedy(draft.tokens, logits, lengths)
@@ -302,7 +308,11 @@ def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array
     def sampled(logits):
         flat = RowSampling(*(jnp.repeat(x, g1) for x in (rs.temperature, rs.top_k, rs.top_p)))
         target_probs = filtered_probs(logits.reshape(b * g1, v), flat).reshape(b, g1, v)
-        uniforms = jax.vmap(lambda key: jax.random.uniform(key, (g1,), jnp.float32))(keys)
+        # Drawn for all G+1 positions whatever the width, so a row's draws do not depend on it
+        # (nor on its neighbours, who set the width): the accept tests read positions < w - 1,
+        # the correction / bonus sample always the last one.
+        drawn = jax.vmap(lambda key: jax.random.uniform(key, (s.block_size + 1,), jnp.float32))(keys)
+        uniforms = jnp.concatenate([drawn[:, :g1 - 1], drawn[:, -1:]], axis=1)  # [b, g1]
         if s.verifier == "pallas":
             import pallas_kernels
 
@@ -389,9 +399,8 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
 
     block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, G+1]
     positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
-    target_logits, cache, features = verify_forward(params, state.cache, block, positions, lengths, s=s)
-    n_acc, next_token = verify_rule(draft, target_logits, lengths, row_keys(state.seed_key, anchor_pos, KEY_VERIFY),
-                                    rs, s=s)
+    n_acc, next_token, cache, features = verify(params, state.cache, draft, block, positions, lengths,
+                                                row_keys(state.seed_key, anchor_pos, KEY_VERIFY), rs, s=s)
 
     # Emitted tokens this round: d_1..d_n then t, cut after the first EOS and at the budget.
     j = jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [1, G+1]
