@@ -212,16 +212,10 @@ def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_
     return hidden, written, ChunkKV(k=tuple(new_k), v=tuple(new_v)), features
 
 
-def forward_chunk(
-    params: dict,
-    config: ModelConfig,
-    tokens: jax.Array,  # [b, t] int32
-    positions: jax.Array,  # [b, t] int32 absolute positions, consecutive within a row
-    cache: KVCache | None = None,
-    feature_layers: tuple[int, ...] = (),
-    kv_len: int | None = None,
-):
-    """Run the decoder stack over a chunk of new tokens, reading the cache but not writing it.
+def forward_chunk(params: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                  cache: KVCache | None = None, feature_layers: tuple[int, ...] = (), kv_len: int | None = None):
+    """Run the decoder stack over a chunk of new tokens [b, t] at absolute positions [b, t]
+    (consecutive within a row), reading the cache but not writing it.
 
     Each row's chunk starts at positions[:, 0]; queries attend to the cache's committed slots
     before it and causally (by position) to the chunk itself. `kv_len` (static) limits the cache
