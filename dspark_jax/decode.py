@@ -197,12 +197,11 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
     last = jnp.take_along_axis(hidden, (req.lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, e]
     keys = row_keys(req.seed_key, req.lengths, KEY_FIRST_TOKEN)
     first = sample_tokens(logits_from_hidden(params, last), keys, req.sampling)  # [n]
-    cache = KVCache(
-        k=tuple(big.at[slots, :, :p].set(jnp.swapaxes(part, 1, 2).astype(big.dtype), mode="drop")
-                for big, part in zip(state.cache.k, chunk.k)),
-        v=tuple(big.at[slots, :, :p].set(jnp.swapaxes(part, 1, 2).astype(big.dtype), mode="drop")
-                for big, part in zip(state.cache.v, chunk.v)),
-        lengths=state.cache.lengths.at[slots].set(req.lengths, mode="drop"))
+    def into_slots(big, part):  # part [n, p, kv, d] -> the first p slots of rows `slots` of big
+        return big.at[slots, :, :p].set(jnp.swapaxes(part, 1, 2).astype(big.dtype), mode="drop")
+
+    cache = KVCache(k=tuple(map(into_slots, state.cache.k, chunk.k)), v=tuple(map(into_slots, state.cache.v, chunk.v)),
+                    lengths=state.cache.lengths.at[slots].set(req.lengths, mode="drop"))
 
     dstate = state.drafter
     mod = drafter_module(s)
