@@ -79,6 +79,10 @@ class SlotState:
     # drafted (sched.GATE_DECAY per round): the dspark policies' drafting gate reads it, so one
     # unlucky round does not switch drafting off. A new request starts from ones (it drafts first).
     gate_confidences: jax.Array
+    # [] bool: whether the gate (sched.gate_pays) opens on the current gate_confidences, set at the
+    # end of every step and by insert (a new request drafts first). The Engine reads it between
+    # steps: while it is closed and no probe falls due, a step of plain rounds is all that runs.
+    gate_open: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +140,8 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
         committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
-        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32))
+        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32),
+        gate_open=jnp.asarray(mod is not None))
 
 
 @jax.tree_util.register_dataclass
@@ -225,7 +230,7 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
         accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, 1.0),
-        forwards=state.forwards + 1)
+        gate_open=jnp.asarray(drafter_module(s) is not None), forwards=state.forwards + 1)
 
 
 def free(state: SlotState, slot: jax.Array) -> SlotState:
@@ -358,8 +363,15 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace, load): row r emitted
     emitted[r, keep[r]] this round (keep is a prefix mask); trace (RoundTrace) and load
     (RoundLoad) describe the round for calibration, the scheduler's statistics and monitoring.
+
+    Without a drafter, or under policy "none" with one, the round is a plain one: the anchor alone
+    goes through the write-first forward (no width switch, no draft) and the drafter's context
+    gets that one column, so it costs what a round of plain decoding costs plus the context
+    upkeep. (The Engine runs such steps when the dspark gate is closed; a lax.cond choosing
+    between the two kinds of round inside one program made XLA copy the caches every round.)
     """
     mod = drafter_module(s)
+    plain = mod is None or s.policy == "none"
     g = s.block_size
     b = state.anchor.shape[0]
     live = ~state.done
@@ -367,9 +379,11 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     # Finished rows count as greedy, so a batch whose live rows are all greedy skips sampling.
     rs = dataclasses.replace(state.sampling, temperature=jnp.where(live, state.sampling.temperature, 0.0))
     caps = length_caps(state, g)  # [b]
-    drafting = jnp.asarray(mod is not None)
-    if mod is None:
-        draft, dstate = no_draft(b, s.config.vocab_size), None
+    dstate = state.drafter
+    drafting = jnp.asarray(not plain)
+    if plain:
+        draft = no_draft(b, s.config.vocab_size)
+        z = jnp.zeros((b, g), jnp.float32)
     else:
         draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
 
@@ -377,34 +391,34 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
             return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos, draft_keys, rs,
                              kv_len=s.kv_len)
 
-        if s.policy in sched.TABLE_POLICIES:
+        if s.policy in sched.TABLE_POLICIES:  # the gate, per round, inside a step that drafts
             drafting = sched.drafting_pays(state.gate_confidences, caps, sp, live, state.forwards)
 
             def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
                 shapes = jax.eval_shape(run_draft, dstate)[0]
                 return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
 
-            draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, state.drafter)
+            draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, dstate)
             caps = jnp.where(drafting, caps, 0)
         else:
-            draft, dstate = run_draft(state.drafter)
-    if draft.proposed is not None:
-        caps = jnp.minimum(caps, draft.proposed)
-    z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
+            draft, dstate = run_draft(dstate)
+        if draft.proposed is not None:
+            caps = jnp.minimum(caps, draft.proposed)
+        z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
     conf = jnp.where(live[:, None], confidence_probs(z, confidence_temperatures(s, g)), 0.0)  # [b, G]
-    plan = sched.schedule(s.policy if mod is not None else "none", conf, state.lagged_confidences[:, 1], caps, sp,
-                          live)
+    plan = sched.schedule("none" if plain else s.policy, conf, state.lagged_confidences[:, 1], caps, sp, live)
     lengths = plan.lengths  # [b]
 
-    block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, G+1]
-    positions = anchor_pos[:, None] + jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [b, G+1]
+    w = draft.tokens.shape[1] + 1  # columns of this round's block: G+1, or 1 for a plain round
+    block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [b, w]
+    positions = anchor_pos[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]  # [b, w]
     n_acc, next_token, cache, features = verify(params, state.cache, draft, block, positions, lengths,
                                                 row_keys(state.seed_key, anchor_pos, KEY_VERIFY), rs, s=s)
 
     # Emitted tokens this round: d_1..d_n then t, cut after the first EOS and at the budget.
-    j = jnp.arange(g + 1, dtype=jnp.int32)[None, :]  # [1, G+1]
-    drafted_next = jnp.concatenate([draft.tokens, next_token[:, None]], axis=1)  # [b, G+1]
-    emitted = jnp.where(j < n_acc[:, None], drafted_next, next_token[:, None])  # [b, G+1]
+    j = jnp.arange(w, dtype=jnp.int32)[None, :]  # [1, w]
+    drafted_next = jnp.concatenate([draft.tokens, next_token[:, None]], axis=1)  # [b, w]
+    emitted = jnp.where(j < n_acc[:, None], drafted_next, next_token[:, None])  # [b, w]
     in_round = j <= n_acc[:, None]
     eos_here = in_round & is_eos(emitted, s.config, state.ignore_eos)
     eos_before = jnp.cumsum(eos_here, axis=1) - eos_here  # EOS strictly before j
@@ -420,12 +434,11 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     committed_len = jnp.where(live, n_acc + 1, 0)
     cache = dataclasses.replace(cache, lengths=anchor_pos + committed_len)
     if mod is not None:
-        committed = j < committed_len[:, None]  # [b, G+1]
-
-        # All G+1 columns, outside the width switch: a switch whose branches update the drafter's
+        # All w columns, outside the width switch: a switch whose branches update the drafter's
         # context would make XLA copy it every round, which costs more than the few unverified
         # columns (masked by `committed`, their features are zero padding).
-        dstate = mod.extend(dparams, params, s.config, s.dconfig, dstate, block, features, positions, committed)
+        dstate = mod.extend(dparams, params, s.config, s.dconfig, dstate, block, features, positions,
+                            j < committed_len[:, None])
 
     k = jnp.arange(g, dtype=jnp.int32)[None, :]
     tried = live[:, None] & (k < lengths[:, None]) & (k <= n_acc[:, None])
@@ -448,7 +461,8 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
                      predicted_throughput=plan.predicted_throughput)
-    return state, emitted, keep, trace, load
+    pad = [(0, 0), (0, g + 1 - w)]  # a plain round's one column, to the G+1 of a drafted one
+    return state, jnp.pad(emitted, pad), jnp.pad(keep, pad), trace, load
 
 
 def confidence_temperatures(s: DecodeSettings, g: int) -> jax.Array:
@@ -500,4 +514,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
     ran, state, out, counts, trace, load = jax.lax.while_loop(
         cond, body, (jnp.zeros((), jnp.int32), state, out, counts, trace, load))
+    if drafter_module(s) is not None:
+        state = dataclasses.replace(state, gate_open=sched.gate_pays(state.gate_confidences, length_caps(state, g), sp,
+                                                                     ~state.done))
     return state, out, counts, ran, trace, load

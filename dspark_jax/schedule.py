@@ -247,19 +247,29 @@ def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array
     return jnp.sum((surv >= threshold) & (surv > 0.0), axis=-1).astype(jnp.int32)
 
 
-def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
-                  round_index: jax.Array) -> jax.Array:
-    """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
-    slots' recent confidences [R, G] (an average over past drafted rounds, so the decision cannot
-    see this round's tokens and cannot bias the output) say the best level, drafter's cost
-    included (the table), beats a round without a draft (params.plain_sps); else the round is
-    plain decoding. Every PROBE_EVERY-th round drafts anyway (unless max_length is 0), so
-    confidences that were low are measured again."""
+def gate_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array) -> jax.Array:
+    """[] bool: whether the slots' recent confidences [R, G] (an average over past drafted rounds,
+    so the decision cannot see this round's tokens and cannot bias the output) say the best
+    level, drafter's cost included (the table), beats a round without a draft (params.plain_sps)."""
     caps = jnp.minimum(caps, params.max_length)
     conf = cap_confidences(recent_confidences, caps)
     best = jnp.max(_level_thetas(conf, params.sps_table, live))
-    pays = best > base_tau(conf.shape[0], live) * params.plain_sps
-    return (pays | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
+    return (best > base_tau(conf.shape[0], live) * params.plain_sps) & (params.max_length > 0)
+
+
+def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
+                  round_index: jax.Array) -> jax.Array:
+    """[] bool: whether this round runs the drafter at all (the dspark policies): when the gate
+    pays (gate_pays), and every PROBE_EVERY-th round anyway (unless max_length is 0), so
+    confidences that were low are measured again."""
+    probe = (round_index % PROBE_EVERY == 0) & (params.max_length > 0)
+    return gate_pays(recent_confidences, caps, params, live) | probe
+
+
+def probe_due(forwards: int, rounds: int) -> bool:
+    """Whether one of the next `rounds` rounds, from engine forward count `forwards`, is a probe
+    round of drafting_pays (host side: the Engine's choice of a step program)."""
+    return (forwards + rounds - 1) // PROBE_EVERY > (forwards - 1) // PROBE_EVERY
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:
@@ -368,7 +378,7 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
     live and drafting (the drafter's cost included): SPS(B) for B = slots * w, as a staircase
     table over B = 0 .. max_tokens (default slots * (G + 1)); and the rate of a round that does
     not draft (the dspark gate's other choice). Runs the engine's own step program ("fixed" with
-    max_length = w - 1; "dspark" with max_length 0 for the plain round), best of `repeats` timed
+    max_length = w - 1; "none" for the plain round the gate falls back to), best of `repeats` timed
     calls, all variants interleaved so the machine's noise hits them alike; every call starts
     from freshly inserted slots, so each is timed at the same context length."""
     from dspark_jax.decode import verify_widths
@@ -390,7 +400,7 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
         raise ValueError(f"max_len {engine.max_len} leaves no room to profile a round of width {max(widths)}")
     ids = [(7 * i + 3) % engine.settings.config.vocab_size for i in range(prompt_len)]
     params = SamplingParams(max_new_tokens=room, ignore_eos=True)
-    variants = [("fixed", w - 1) for w in widths] + ([("dspark", 0)] if g else [])
+    variants = [("fixed", w - 1) for w in widths] + ([("none", None)] if g else [])
     best = {v: float("inf") for v in variants}
     for call in range(repeats + 1):  # the first call of each variant may compile: untimed
         for policy, cap in variants:
@@ -402,7 +412,7 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
             if call > 0 and out.rounds > 0:
                 best[(policy, cap)] = min(best[(policy, cap)], seconds / out.rounds)
     measured = [float(np.float32(1.0 / best[("fixed", w - 1)])) for w in widths]  # as the table holds it
-    plain = float(np.float32(1.0 / best[("dspark", 0)])) if g else measured[0]
+    plain = float(np.float32(1.0 / best[("none", None)])) if g else measured[0]
     return CostTable(slots=engine.slots, block_size=g, widths=list(widths), steps_per_second=measured,
                      table=staircase(engine.slots, widths, measured, size).tolist(),
                      device=jax.devices()[0].device_kind, plain_steps_per_second=plain)

@@ -358,6 +358,53 @@ def test_engine_lengths_follow_the_policy_and_table(tiny):
     assert all(lengths == [2] * 3 for lengths in out.round_lengths[:3])
 
 
+def test_closed_gate_runs_plain_steps_that_keep_the_drafter_context(tiny):
+    """Where drafting does not pay, the Engine runs the plain-round program (write-first forward,
+    no draft), except when a probe round falls due; those rounds still give the drafter's context
+    the committed tokens' features, the same as rounds that verify drafts do."""
+    import dataclasses
+
+    from dspark_jax import Engine, SamplingParams, generate
+
+    target, drafter, _ = tiny
+    prompts = _prompts(3, seed=4)
+    steep = np.asarray([1.0] * 5 + [0.01] * 12, np.float32)  # any draft token costs far more than it gains
+    engine = Engine(target, drafter, slots=4, max_len=128, policy="dspark", sps_table=steep)
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=24))
+                                                    for i, p in enumerate(prompts)])
+    assert bool(state.gate_open) and engine.program_policy(state, "dspark", 1) == "dspark"  # new requests draft
+    state, _ = engine.step(state, rounds=1)
+    assert not bool(state.gate_open)
+    forwards = int(state.forwards)
+    room = -forwards % sched.PROBE_EVERY  # rounds before the next probe round
+    assert engine.program_policy(state, "dspark", room) == ("none" if room else "dspark")
+    assert engine.program_policy(state, "dspark", room + 1) == "dspark"  # the probe round drafts
+    assert engine.program_policy(state, "fixed", 1) == "fixed"  # only the gated policies fall back
+    assert engine.program_policy(dataclasses.replace(state, gate_open=jnp.asarray(True)), "dspark", 1) == "dspark"
+    assert engine.program_policy(state, "dspark", 64, max_length=0) == "none"
+
+    def run(policy, eng=None):
+        eng = eng or Engine(target, drafter, slots=4, max_len=128, policy="fixed")
+        st = eng.insert_many(eng.new_state(), [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)])
+        tokens = [[] for _ in prompts]
+        while not all(bool(d) for d in np.asarray(st.done)[:3]):
+            st, out = eng.step(st, rounds=2, policy=policy)
+            for i in range(3):
+                tokens[i] += out.tokens[i]
+        return st, tokens
+
+    plain_state, plain_tokens = run("none")
+    fixed_state, fixed_tokens = run("fixed")
+    _, gated_tokens = run("dspark", engine)  # plain steps with a probe every PROBE_EVERY rounds
+    assert plain_tokens == fixed_tokens == gated_tokens == generate(target, prompts, max_new_tokens=24).token_ids
+    lengths = np.asarray(plain_state.cache.lengths)
+    assert lengths[:3].tolist() == np.asarray(fixed_state.cache.lengths)[:3].tolist()
+    for a, b in ((plain_state.drafter.k, fixed_state.drafter.k), (plain_state.drafter.v, fixed_state.drafter.v)):
+        for row in range(3):  # every committed position's context K/V, however it was committed
+            np.testing.assert_allclose(np.asarray(a[:, row, :, :lengths[row]], np.float32),
+                                       np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=0.02, atol=0.02)
+
+
 def test_no_recompile_when_load_table_or_threshold_change(tiny):
     from dspark_jax import Engine, SamplingParams
 
