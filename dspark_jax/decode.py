@@ -79,10 +79,6 @@ class SlotState:
     # drafted (sched.GATE_DECAY per round): the dspark policies' drafting gate reads it, so one
     # unlucky round does not switch drafting off. A new request starts from ones (it drafts first).
     gate_confidences: jax.Array
-    # [] bool: whether the gate (sched.gate_pays) opens on the current gate_confidences, set at the
-    # end of every step and by insert (a new request drafts first). The Engine reads it between
-    # steps: while it is closed and no probe falls due, a step of plain rounds is all that runs.
-    gate_open: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +136,7 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
         committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
-        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32),
-        gate_open=jnp.asarray(mod is not None))
+        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -230,7 +225,7 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
         accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, 1.0),
-        gate_open=jnp.asarray(drafter_module(s) is not None), forwards=state.forwards + 1)
+        forwards=state.forwards + 1)
 
 
 def free(state: SlotState, slot: jax.Array) -> SlotState:
@@ -367,11 +362,14 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     Without a drafter, or under policy "none" with one, the round is a plain one: the anchor alone
     goes through the write-first forward (no width switch, no draft) and the drafter's context
     gets that one column, so it costs what a round of plain decoding costs plus the context
-    upkeep. (The Engine runs such steps when the dspark gate is closed; a lax.cond choosing
-    between the two kinds of round inside one program made XLA copy the caches every round.)
+    upkeep. `step` also runs plain rounds under the dspark policies while their gate is closed.
     """
+    return _round(params, dparams, state, sp, s=s, plain=drafter_module(s) is None or s.policy == "none")
+
+
+def _round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, s: DecodeSettings, plain: bool):
+    """decode_round's body; a round that is not plain always drafts."""
     mod = drafter_module(s)
-    plain = mod is None or s.policy == "none"
     g = s.block_size
     b = state.anchor.shape[0]
     live = ~state.done
@@ -380,28 +378,12 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     rs = dataclasses.replace(state.sampling, temperature=jnp.where(live, state.sampling.temperature, 0.0))
     caps = length_caps(state, g)  # [b]
     dstate = state.drafter
-    drafting = jnp.asarray(not plain)
     if plain:
         draft = no_draft(b, s.config.vocab_size)
         z = jnp.zeros((b, g), jnp.float32)
     else:
-        draft_keys = row_keys(state.seed_key, anchor_pos, KEY_DRAFT)
-
-        def run_draft(dstate):
-            return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos, draft_keys, rs,
-                             kv_len=s.kv_len)
-
-        if s.policy in sched.TABLE_POLICIES:  # the gate, per round, inside a step that drafts
-            drafting = sched.drafting_pays(state.gate_confidences, caps, sp, live, state.forwards)
-
-            def skip_draft(dstate):  # an empty draft of the same shapes; lengths are forced to 0 below
-                shapes = jax.eval_shape(run_draft, dstate)[0]
-                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dstate
-
-            draft, dstate = jax.lax.cond(drafting, run_draft, skip_draft, dstate)
-            caps = jnp.where(drafting, caps, 0)
-        else:
-            draft, dstate = run_draft(dstate)
+        draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos,
+                                  row_keys(state.seed_key, anchor_pos, KEY_DRAFT), rs, kv_len=s.kv_len)
         if draft.proposed is not None:
             caps = jnp.minimum(caps, draft.proposed)
         z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
@@ -452,11 +434,13 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         committed=state.committed + committed_len.sum(dtype=jnp.int32),
         tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
         accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32),
-        lagged_confidences=jnp.where(drafting, jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1),
-                                     state.lagged_confidences),  # a round without a draft learns nothing
-        gate_confidences=jnp.where((drafting & live)[:, None],
-                                   sched.GATE_DECAY * state.gate_confidences + (1 - sched.GATE_DECAY) * conf,
-                                   state.gate_confidences))
+        # A round without a draft learns nothing about the confidences.
+        lagged_confidences=(state.lagged_confidences if plain
+                            else jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1)),
+        gate_confidences=(state.gate_confidences if plain
+                          else jnp.where(live[:, None],
+                                         sched.GATE_DECAY * state.gate_confidences + (1 - sched.GATE_DECAY) * conf,
+                                         state.gate_confidences)))
     trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
@@ -498,13 +482,13 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
     load = RoundLoad(tokens=jnp.zeros((rounds,), jnp.int32), predicted_tau=jnp.zeros((rounds,), jnp.float32),
                      predicted_throughput=jnp.zeros((rounds,), jnp.float32))
 
-    def cond(carry):
+    def going(carry):
         i, st = carry[:2]
         return (i < rounds) & jnp.any(~st.done)
 
-    def body(carry):
+    def body(plain, carry):
         i, st, out, counts, trace, load = carry
-        st, emitted, keep, now, now_load = decode_round(params, dparams, st, sp, s=s)
+        st, emitted, keep, now, now_load = _round(params, dparams, st, sp, s=s, plain=plain)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
         out = out.at[rows, at].set(emitted, mode="drop")
@@ -512,9 +496,23 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         load = jax.tree.map(lambda buf, x: buf.at[i].set(x), load, now_load)
         return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace, load
 
-    ran, state, out, counts, trace, load = jax.lax.while_loop(
-        cond, body, (jnp.zeros((), jnp.int32), state, out, counts, trace, load))
-    if drafter_module(s) is not None:
-        state = dataclasses.replace(state, gate_open=sched.gate_pays(state.gate_confidences, length_caps(state, g), sp,
-                                                                     ~state.done))
+    carry = (jnp.zeros((), jnp.int32), state, out, counts, trace, load)
+    if drafter_module(s) is None or s.policy not in sched.TABLE_POLICIES:
+        carry = jax.lax.while_loop(going, functools.partial(body, drafter_module(s) is None or s.policy == "none"),
+                                   carry)
+    else:
+        # The dspark gate (sched.drafting_pays) decides each round whether to draft at all. Its two
+        # kinds of round run in two inner loops, plain rounds while the gate is closed and then one
+        # drafted round: a lax.cond between them made XLA copy the caches every round, a loop
+        # updates them in place.
+        def drafts(st):
+            return sched.drafting_pays(st.gate_confidences, length_caps(st, g), sp, ~st.done, st.forwards)
+
+        def plain_then_one_drafted(carry):
+            carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c[1]), functools.partial(body, True), carry)
+            start = carry[0]
+            return jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False), carry)
+
+        carry = jax.lax.while_loop(going, plain_then_one_drafted, carry)
+    ran, state, out, counts, trace, load = carry
     return state, out, counts, ran, trace, load

@@ -324,11 +324,9 @@ class Engine:
         for n in insert_batches:
             for length in self.prefill_buckets:
                 self._program("insert", self._insert_fn(), (state, self._abstract_requests(pow2(n), length)), (0,))
-        policies = (self.policy, "none") if self.policy in sched.TABLE_POLICIES else (self.policy,)
         for r in rounds:
             for span in self.attention_spans:
-                for policy in policies:
-                    self._step_program(int(r), span, policy)
+                self._step_program(int(r), span, self.policy)
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
         if self.policy in sched.TABLE_POLICIES and self.cost_table is None:
             self.profile()
@@ -413,7 +411,7 @@ class Engine:
         if policy in sched.TABLE_POLICIES and self.cost_table is None and max_length != 0:
             self.profile()  # once, before the first step that needs the table (a cap of 0 never drafts)
         span = self.span_for(state, int(rounds))
-        program = self._step_program(int(rounds), span, self.program_policy(state, policy, int(rounds), max_length))
+        program = self._step_program(int(rounds), span, policy)
         state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)
         tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load = jax.device_get(
             (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,
@@ -431,19 +429,6 @@ class Engine:
             round_tokens=load.tokens[:ran].tolist(), round_predicted_tau=load.predicted_tau[:ran].tolist(),
             round_predicted_throughput=load.predicted_throughput[:ran].tolist())
         return state, out
-
-    def program_policy(self, state: SlotState, policy: str, rounds: int, max_length: int | None = None) -> str:
-        """The step program a call runs: under the dspark policies, a step of plain rounds
-        ("none": no draft, the write-first forward) when the state's gate is closed and none of
-        its rounds is a probe round, else the policy's own program (whose rounds still skip the
-        drafter one by one while the gate stays closed, at a little more than a plain round's
-        cost). Reads two scalars of a state whose step has already been waited for."""
-        if policy not in sched.TABLE_POLICIES:
-            return policy
-        if max_length == 0:
-            return "none"
-        gate_open, forwards = jax.device_get((state.gate_open, state.forwards))
-        return policy if gate_open or sched.probe_due(int(forwards), rounds) else "none"
 
     def free(self, state: SlotState, slot: int) -> SlotState:
         """A finished or cancelled slot becomes free (freeing a free slot is a no-op)."""

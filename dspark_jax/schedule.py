@@ -247,29 +247,19 @@ def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array
     return jnp.sum((surv >= threshold) & (surv > 0.0), axis=-1).astype(jnp.int32)
 
 
-def gate_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array) -> jax.Array:
-    """[] bool: whether the slots' recent confidences [R, G] (an average over past drafted rounds,
-    so the decision cannot see this round's tokens and cannot bias the output) say the best
-    level, drafter's cost included (the table), beats a round without a draft (params.plain_sps)."""
+def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
+                  round_index: jax.Array) -> jax.Array:
+    """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
+    slots' recent confidences [R, G] (an average over past drafted rounds, so the decision cannot
+    see this round's tokens and cannot bias the output) say the best level, drafter's cost
+    included (the table), beats a round without a draft (params.plain_sps); else the round is
+    plain decoding. Every PROBE_EVERY-th round drafts anyway (unless max_length is 0), so
+    confidences that were low are measured again."""
     caps = jnp.minimum(caps, params.max_length)
     conf = cap_confidences(recent_confidences, caps)
     best = jnp.max(_level_thetas(conf, params.sps_table, live))
-    return (best > base_tau(conf.shape[0], live) * params.plain_sps) & (params.max_length > 0)
-
-
-def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
-                  round_index: jax.Array) -> jax.Array:
-    """[] bool: whether this round runs the drafter at all (the dspark policies): when the gate
-    pays (gate_pays), and every PROBE_EVERY-th round anyway (unless max_length is 0), so
-    confidences that were low are measured again."""
-    probe = (round_index % PROBE_EVERY == 0) & (params.max_length > 0)
-    return gate_pays(recent_confidences, caps, params, live) | probe
-
-
-def probe_due(forwards: int, rounds: int) -> bool:
-    """Whether one of the next `rounds` rounds, from engine forward count `forwards`, is a probe
-    round of drafting_pays (host side: the Engine's choice of a step program)."""
-    return (forwards + rounds - 1) // PROBE_EVERY > (forwards - 1) // PROBE_EVERY
+    pays = best > base_tau(conf.shape[0], live) * params.plain_sps
+    return (pays | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:
