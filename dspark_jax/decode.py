@@ -352,23 +352,20 @@ class RoundLoad:
     predicted_throughput: jax.Array
 
 
-def decode_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, s: DecodeSettings):
+def decode_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, s: DecodeSettings,
+                 plain: bool):
     """One draft / verify / commit round for every live slot.
 
     Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace, load): row r emitted
     emitted[r, keep[r]] this round (keep is a prefix mask); trace (RoundTrace) and load
     (RoundLoad) describe the round for calibration, the scheduler's statistics and monitoring.
 
-    Without a drafter, or under policy "none" with one, the round is a plain one: the anchor alone
-    goes through the write-first forward (no width switch, no draft) and the drafter's context
-    gets that one column, so it costs what a round of plain decoding costs plus the context
-    upkeep. `step` also runs plain rounds under the dspark policies while their gate is closed.
+    A plain round (always without a drafter; under policy "none" with one; under the dspark
+    policies while their gate is closed, see `step`) sends the anchor alone through the
+    write-first forward (no width switch, no draft) and gives the drafter's context that one
+    column, so it costs what a round of plain decoding costs plus the context upkeep. Any other
+    round drafts.
     """
-    return _round(params, dparams, state, sp, s=s, plain=drafter_module(s) is None or s.policy == "none")
-
-
-def _round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, s: DecodeSettings, plain: bool):
-    """decode_round's body; a round that is not plain always drafts."""
     mod = drafter_module(s)
     g = s.block_size
     b = state.anchor.shape[0]
@@ -488,7 +485,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
     def body(plain, carry):
         i, st, out, counts, trace, load = carry
-        st, emitted, keep, now, now_load = _round(params, dparams, st, sp, s=s, plain=plain)
+        st, emitted, keep, now, now_load = decode_round(params, dparams, st, sp, s=s, plain=plain)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
         out = out.at[rows, at].set(emitted, mode="drop")

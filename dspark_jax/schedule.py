@@ -36,7 +36,9 @@ Every policy is cut by the row's cap (budget left, the drafter's proposal, `max_
 dspark policies also skip the drafter altogether in a round where the slots' recent confidences
 say drafting would not beat a plain round at this load (`drafting_pays`; the table holds the
 drafter's cost and `plain_sps` the rate of a round without it), so at a load where speculation
-does not pay a round costs what plain decoding costs, not plain decoding plus a useless draft.
+does not pay a round costs what plain decoding costs, not plain decoding plus a useless draft:
+such a round is a plain one (decode.step runs plain rounds in an inner loop while the gate is
+closed: the write-first forward of the anchor alone, plus one column of drafter context).
 """
 
 from __future__ import annotations
