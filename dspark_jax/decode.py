@@ -242,6 +242,16 @@ def length_caps(state: SlotState, block_size: int) -> jax.Array:
     return jnp.clip(remaining - 1, 0, block_size).astype(jnp.int32)
 
 
+def round_caps(state: SlotState, s: DecodeSettings, rounds_left: jax.Array) -> jax.Array:
+    """[slots] length_caps, also cut so the step's attention span (s.kv_len) holds this round's
+    verified positions and one position for each of the step's `rounds_left` - 1 later rounds:
+    the Engine may pick a span that plans for fewer drafts than G per round (Engine.span_for)."""
+    caps = length_caps(state, s.block_size)
+    if s.kv_len is None:
+        return caps
+    return jnp.clip(jnp.minimum(caps, s.kv_len - state.cache.lengths - rounds_left), 0, None).astype(jnp.int32)
+
+
 def verify_widths(block_size: int) -> tuple[int, ...]:
     """Compiled widths of the verification forward: powers of two below G+1, then G+1."""
     widths, w = [], 1
@@ -352,13 +362,14 @@ class RoundLoad:
     predicted_throughput: jax.Array
 
 
-def decode_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, s: DecodeSettings,
-                 plain: bool):
+def decode_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Array, *,
+                 s: DecodeSettings, plain: bool):
     """One draft / verify / commit round for every live slot.
 
     Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace, load): row r emitted
     emitted[r, keep[r]] this round (keep is a prefix mask); trace (RoundTrace) and load
     (RoundLoad) describe the round for calibration, the scheduler's statistics and monitoring.
+    rounds_left [] int32: this round and the step's later ones (round_caps).
 
     A plain round (always without a drafter; under policy "none" with one; under the dspark
     policies while their gate is closed, see `step`) sends the anchor alone through the
@@ -373,7 +384,7 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     anchor_pos = state.cache.lengths  # [b]
     # Finished rows count as greedy, so a batch whose live rows are all greedy skips sampling.
     rs = dataclasses.replace(state.sampling, temperature=jnp.where(live, state.sampling.temperature, 0.0))
-    caps = length_caps(state, g)  # [b]
+    caps = round_caps(state, s, rounds_left)  # [b]
     dstate = state.drafter
     if plain:
         draft = no_draft(b, s.config.vocab_size)
@@ -485,7 +496,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
     def body(plain, carry):
         i, st, out, counts, trace, load = carry
-        st, emitted, keep, now, now_load = decode_round(params, dparams, st, sp, s=s, plain=plain)
+        st, emitted, keep, now, now_load = decode_round(params, dparams, st, sp, rounds - i, s=s, plain=plain)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
         out = out.at[rows, at].set(emitted, mode="drop")
@@ -502,11 +513,12 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         # kinds of round run in two inner loops, plain rounds while the gate is closed and then one
         # drafted round: a lax.cond between them made XLA copy the caches every round, a loop
         # updates them in place.
-        def drafts(st):
-            return sched.drafting_pays(st.gate_confidences, length_caps(st, g), sp, ~st.done, st.forwards)
+        def drafts(carry):
+            i, st = carry[:2]
+            return sched.drafting_pays(st.gate_confidences, round_caps(st, s, rounds - i), sp, ~st.done, st.forwards)
 
         def plain_then_one_drafted(carry):
-            carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c[1]), functools.partial(body, True), carry)
+            carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
             start = carry[0]
             return jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False), carry)
 

@@ -292,13 +292,24 @@ class Engine:
         args = (self._state_shape(), self._schedule)
         return self._program(f"step{rounds}@{span}:{policy}", self._step_fn(rounds, span, policy), args, (0,))
 
-    def span_for(self, state: SlotState, rounds: int) -> int:
-        """The smallest attention span holding every live row through `rounds` more rounds (a
-        round adds at most G+1 positions). Reads the rows' lengths: a few bytes, between steps."""
-        lengths, occupied, done = jax.device_get((state.cache.lengths, state.occupied, state.done))
+    def span_for(self, state: SlotState, rounds: int, policy: str | None = None) -> int:
+        """The smallest attention span for a step of `rounds` rounds under `policy`.
+
+        A live row needs room for one position per round, for the drafts it may verify, and never
+        more than its remaining budget. The step cuts a round's drafts to what the span holds
+        (decode.step), so the span only trades attention cost against drafts cut: the dspark
+        policies, whose rounds are mostly plain wherever drafting does not pay, plan for one full
+        block on top of the plain rounds; the other policies for G+1 positions every round. Reads a
+        few bytes per slot, between steps."""
+        policy = self.policy if policy is None else policy
+        lengths, occupied, done, budget, emitted = jax.device_get(
+            (state.cache.lengths, state.occupied, state.done, state.budget, state.emitted))
         live = occupied & ~done  # on the host: an eager device op would compile after warmup
-        longest = int(lengths[live].max()) if live.any() else 0
-        need = longest + rounds * (self.block_size + 1)
+        if not live.any():
+            return self.attention_spans[0]
+        g = self.block_size
+        ahead = rounds + g if policy in sched.TABLE_POLICIES else rounds * (g + 1)
+        need = int((lengths + np.minimum(ahead, budget - emitted))[live].max())
         return next((span for span in self.attention_spans if span >= need), self.max_len)
 
     @staticmethod
@@ -410,7 +421,7 @@ class Engine:
             sp = dataclasses.replace(sp, max_length=jnp.asarray(max_length, jnp.int32))
         if policy in sched.TABLE_POLICIES and self.cost_table is None and max_length != 0:
             self.profile()  # once, before the first step that needs the table (a cap of 0 never drafts)
-        span = self.span_for(state, int(rounds))
+        span = self.span_for(state, int(rounds), policy)
         program = self._step_program(int(rounds), span, policy)
         state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)
         tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load = jax.device_get(

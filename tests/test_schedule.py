@@ -406,6 +406,43 @@ def test_plain_rounds_keep_the_drafter_context(tiny):
                                        np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=0.02, atol=0.02)
 
 
+def test_dspark_span_plans_for_plain_rounds_and_drafts_are_cut_to_it(tiny, tmp_path_factory):
+    """The dspark policies' step attends over a span that plans for plain rounds plus one block
+    (Engine.span_for); a round's drafts are cut on the device so every verified position stays
+    inside it (decode.round_caps), and the output is still exactly the plain greedy one."""
+    import dataclasses
+
+    from conftest import make_tiny_hf_model
+    from dspark_jax import Engine, SamplingParams, generate, init_drafter, load_target
+
+    path = tmp_path_factory.mktemp("tiny_long")  # room for spans of 256 and 512 positions
+    make_tiny_hf_model(str(path), "llama", False, eos_token_id=95, max_position_embeddings=512)
+    target = load_target(str(path))
+    drafter = dataclasses.replace(init_drafter(target, "dspark", seed=1, block_size=3),
+                                  calibration=tiny[1].calibration)
+    engine = Engine(target, drafter, slots=2, max_len=512, policy="dspark", sps_table=np.full(9, 1.0))
+    prompt = (_prompts(1, seed=5)[0] * 40)[:230]
+    state = engine.insert_many(engine.new_state(), [(0, prompt, SamplingParams(max_new_tokens=60))])
+    assert engine.span_for(state, 8, "dspark") == 256  # 230 + 8 plain rounds + one block of 3
+    assert engine.span_for(state, 8, "fixed") == 512  # 230 + 8 rounds of 4 positions
+    # 247 + 8 tokens fit a span of 256, which leaves one draft token per round of 8: a flat table
+    # drafts all it may, so every round verifies what the span (or the budget) allows.
+    prompt, budget = (_prompts(1, seed=5)[0] * 40)[:247], 9
+    state = engine.insert_many(engine.new_state(), [(0, prompt, SamplingParams(max_new_tokens=budget))])
+    tokens, cut = [], 0
+    while not bool(np.asarray(state.done)[0]):
+        span, position, emitted = engine.span_for(state, 8), int(state.cache.lengths[0]), int(state.emitted[0])
+        state, out = engine.step(state, rounds=8)
+        tokens += out.tokens[0]
+        for r, (length, accepted) in enumerate(zip(out.round_lengths[0], out.round_accepted[0])):
+            room = span - position - (8 - r)  # this round's positions and one per later round fit
+            assert length == max(0, min(3, budget - emitted - 1, room))
+            cut += room < min(3, budget - emitted - 1)
+            position, emitted = position + accepted + 1, emitted + accepted + 1
+    assert span == 256 and cut > 0
+    assert tokens == generate(target, [prompt], max_new_tokens=budget).token_ids[0]
+
+
 def test_no_recompile_when_load_table_or_threshold_change(tiny):
     from dspark_jax import Engine, SamplingParams
 
