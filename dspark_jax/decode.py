@@ -505,9 +505,9 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace, load
 
     carry = (jnp.zeros((), jnp.int32), state, out, counts, trace, load)
-    if drafter_module(s) is None or s.policy not in sched.TABLE_POLICIES:
-        carry = jax.lax.while_loop(going, functools.partial(body, drafter_module(s) is None or s.policy == "none"),
-                                   carry)
+    mod = drafter_module(s)
+    if mod is None or s.policy not in sched.TABLE_POLICIES:
+        carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none"), carry)
     else:
         # The dspark gate (sched.drafting_pays) decides each round whether to draft at all. Its two
         # kinds of round run in two inner loops, plain rounds while the gate is closed and then one

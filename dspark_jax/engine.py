@@ -297,7 +297,7 @@ class Engine:
 
         A live row needs room for one position per round, for the drafts it may verify, and never
         more than its remaining budget. The step cuts a round's drafts to what the span holds
-        (decode.step), so the span only trades attention cost against drafts cut: the dspark
+        (decode.round_caps), so the span only trades attention cost against drafts cut: the dspark
         policies, whose rounds are mostly plain wherever drafting does not pay, plan for one full
         block on top of the plain rounds; the other policies for G+1 positions every round. Reads a
         few bytes per slot, between steps."""
