@@ -79,6 +79,8 @@ class SlotState:
     # drafted (sched.GATE_DECAY per round): the dspark policies' drafting gate reads it, so one
     # unlucky round does not switch drafting off. A new request starts from ones (it drafts first).
     gate_confidences: jax.Array
+    probe_gap: jax.Array  # [] int32 rounds from the last drafted round to the next probe (sched.next_probe_gap)
+    next_probe: jax.Array  # [] int32 the value of `forwards` from which the next round probes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,9 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
         committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
-        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32))
+        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32),
+        probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
+        next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32))
 
 
 @jax.tree_util.register_dataclass
@@ -513,14 +517,23 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         # kinds of round run in two inner loops, plain rounds while the gate is closed and then one
         # drafted round: a lax.cond between them made XLA copy the caches every round, a loop
         # updates them in place.
-        def drafts(carry):
+        def drafts(carry, probes=True):
             i, st = carry[:2]
-            return sched.drafting_pays(st.gate_confidences, round_caps(st, s, rounds - i), sp, ~st.done, st.forwards)
+            due = probes & (st.forwards >= st.next_probe)
+            return sched.drafting_pays(st.gate_confidences, round_caps(st, s, rounds - i), sp, ~st.done, due)
 
         def plain_then_one_drafted(carry):
             carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
-            start = carry[0]
-            return jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False), carry)
+            start, before = carry[0], carry[1]
+            paid = drafts(carry, probes=False)  # the gate opened by itself (else this round probes)
+            carry = jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False), carry)
+            st, ran = carry[1], carry[0] > start
+            gap = jnp.where(ran, sched.next_probe_gap(st.probe_gap, paid), st.probe_gap)
+            probed = ran & ~paid & ~before.done  # [b] a probe's confidences replace the stale average
+            st = dataclasses.replace(
+                st, probe_gap=gap, next_probe=jnp.where(ran, st.forwards + gap, st.next_probe),
+                gate_confidences=jnp.where(probed[:, None], st.lagged_confidences[:, 0], st.gate_confidences))
+            return (carry[0], st, *carry[2:])
 
         carry = jax.lax.while_loop(going, plain_then_one_drafted, carry)
     ran, state, out, counts, trace, load = carry

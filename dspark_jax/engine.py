@@ -28,7 +28,7 @@ import numpy as np
 from dspark_jax import decode
 from dspark_jax import schedule as sched
 from dspark_jax.decode import DecodeSettings, Requests, SlotState
-from dspark_jax.drafters import vocab
+from dspark_jax.drafters import cast_floats, vocab
 from dspark_jax.prompts import PromptError
 from dspark_jax.sampling import RowSampling, SamplingParams
 
@@ -149,7 +149,9 @@ class Engine:
         self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         self._params = target.params
         # The draft vocabulary's LM-head rows are gathered once here, not in every round.
-        self._dparams = None if dconfig is None else vocab.bind_head(drafter.params, target.params)
+        # In the target's dtype: a bf16 checkpoint beside an f32 target converted its weights every step.
+        self._dparams = None if dconfig is None else vocab.bind_head(cast_floats(drafter.params, target.dtype),
+                                                                     target.params)
         self._state_shardings = None
         if self.mesh is not None:
             self._place_on_mesh(rules)
@@ -299,8 +301,8 @@ class Engine:
         more than its remaining budget. The step cuts a round's drafts to what the span holds
         (decode.round_caps), so the span only trades attention cost against drafts cut: the dspark
         policies, whose rounds are mostly plain wherever drafting does not pay, plan for one full
-        block on top of the plain rounds; the other policies for G+1 positions every round. Reads a
-        few bytes per slot, between steps."""
+        block on top of the plain rounds; "none" for plain rounds only; the other policies for G+1
+        positions every round. Reads a few bytes per slot, between steps."""
         policy = self.policy if policy is None else policy
         lengths, occupied, done, budget, emitted = jax.device_get(
             (state.cache.lengths, state.occupied, state.done, state.budget, state.emitted))
@@ -308,7 +310,12 @@ class Engine:
         if not live.any():
             return self.attention_spans[0]
         g = self.block_size
-        ahead = rounds + g if policy in sched.TABLE_POLICIES else rounds * (g + 1)
+        if policy == "none" or self.drafter is None:
+            ahead = rounds  # plain rounds only
+        elif policy in sched.TABLE_POLICIES:
+            ahead = rounds + g
+        else:
+            ahead = rounds * (g + 1)
         need = int((lengths + np.minimum(ahead, budget - emitted))[live].max())
         return next((span for span in self.attention_spans if span >= need), self.max_len)
 

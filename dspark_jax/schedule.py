@@ -58,9 +58,13 @@ POLICIES = ("dspark", "dspark-lagged", "threshold", "fixed", "none")
 TABLE_POLICIES = ("dspark", "dspark-lagged")
 DEFAULT_THRESHOLD = 0.5
 # The dspark policies skip the drafter in rounds where recent confidences say no draft token would
-# be admitted; every PROBE_EVERY-th round drafts anyway to measure them again. The confidences the
-# gate reads are averaged over drafted rounds with this decay (one low round does not close it).
+# be admitted; a probe round drafts anyway to measure them again, PROBE_EVERY rounds after a round
+# where drafting paid, the gap doubling (up to MAX_PROBE_EVERY) after each probe that found it does
+# not: a probe costs about what a drafted round does, which at high load is several plain rounds.
+# The confidences the gate reads are averaged over drafted rounds with this decay (one low round
+# does not close it); a probe's own confidences replace the average (it is the only fresh news).
 PROBE_EVERY = 16
+MAX_PROBE_EVERY = 256
 GATE_DECAY = 0.75
 
 
@@ -250,18 +254,24 @@ def threshold_lengths(confidences: jax.Array, threshold: jax.Array) -> jax.Array
 
 
 def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams, live: jax.Array,
-                  round_index: jax.Array) -> jax.Array:
+                  probe_due: jax.Array | bool = False) -> jax.Array:
     """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
     slots' recent confidences [R, G] (an average over past drafted rounds, so the decision cannot
     see this round's tokens and cannot bias the output) say the best level, drafter's cost
     included (the table), beats a round without a draft (params.plain_sps); else the round is
-    plain decoding. Every PROBE_EVERY-th round drafts anyway (unless max_length is 0), so
+    plain decoding. A round where `probe_due` drafts anyway (unless max_length is 0), so
     confidences that were low are measured again."""
     caps = jnp.minimum(caps, params.max_length)
     conf = cap_confidences(recent_confidences, caps)
     best = jnp.max(_level_thetas(conf, params.sps_table, live))
     pays = best > base_tau(conf.shape[0], live) * params.plain_sps
-    return (pays | (round_index % PROBE_EVERY == 0)) & (params.max_length > 0)
+    return (pays | probe_due) & (params.max_length > 0)
+
+
+def next_probe_gap(gap: jax.Array, paid: jax.Array) -> jax.Array:
+    """[] int32 rounds until the next probe after a drafted round: PROBE_EVERY when drafting paid
+    (the gate was open), else twice the last gap, at most MAX_PROBE_EVERY."""
+    return jnp.where(paid, PROBE_EVERY, jnp.minimum(2 * gap, MAX_PROBE_EVERY)).astype(jnp.int32)
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:

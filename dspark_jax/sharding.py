@@ -326,7 +326,8 @@ def slot_state_axes(state):
     their layouts, per-slot fields over cache_batch, the engine-wide counters replicated."""
     per_slot = slot_tree_axes(state)
     return dataclasses.replace(per_slot, cache=kv_cache_axes(state.cache), drafter=drafter_state_axes(state.drafter),
-                               forwards=(), row_rounds=(), committed=(), tried=replicated_axes(state.tried),
+                               forwards=(), row_rounds=(), committed=(), probe_gap=(), next_probe=(),
+                               tried=replicated_axes(state.tried),
                                accepted_at=replicated_axes(state.accepted_at))
 
 

@@ -181,13 +181,17 @@ def test_drafting_pays_weighs_the_drafter_cost():
     table = jnp.asarray([9, 9, 9, 8, 8, 7, 7], jnp.float32)
     caps, live = jnp.asarray([2, 2], jnp.int32), jnp.ones((2,), bool)
 
-    def pays(plain, round_index=1, max_length=2):
+    def pays(plain, probe_due=False, max_length=2):
         params = sched.ScheduleParams(table, jnp.float32(0.5), jnp.int32(max_length), jnp.float32(plain))
-        return bool(sched.drafting_pays(conf, caps, params, live, jnp.int32(round_index)))
+        return bool(sched.drafting_pays(conf, caps, params, live, jnp.bool_(probe_due)))
 
     assert pays(12.0) and not pays(12.5)  # 24.5 against 24 and 25
-    assert pays(12.5, round_index=sched.PROBE_EVERY)  # the probe round drafts anyway...
+    assert pays(12.5, probe_due=True)  # the probe round drafts anyway...
     assert not pays(1.0, max_length=0)  # ...but nothing drafts under a cap of 0
+    # Probes: PROBE_EVERY rounds after a round that paid, else twice the last gap, capped.
+    gaps = [int(sched.next_probe_gap(jnp.int32(g), jnp.bool_(paid)))
+            for g, paid in [(16, True), (64, True), (16, False), (64, False), (sched.MAX_PROBE_EVERY, False)]]
+    assert gaps == [sched.PROBE_EVERY, sched.PROBE_EVERY, 32, 128, sched.MAX_PROBE_EVERY]
     # After drafting, level 0 is priced with the drafter's cost (9, not plain_sps): level 1 pays.
     assert np.asarray(sched.level_schedule(conf, table)).tolist() == [2, 2]
 
@@ -358,23 +362,30 @@ def test_engine_lengths_follow_the_policy_and_table(tiny):
     assert all(lengths == [2] * 3 for lengths in out.round_lengths[:3])
 
 
-def test_closed_gate_runs_plain_rounds_that_keep_the_drafter_context(tiny):
+def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny):
     """Where drafting does not pay, a dspark round is a plain one (write-first forward, no draft)
-    except every PROBE_EVERY-th round; plain rounds still give the drafter's context the
-    committed tokens' features, as rounds that verify drafts do."""
+    except the probes: PROBE_EVERY rounds into a new engine, then after a gap that doubles with
+    each probe that found drafting still does not pay (up to MAX_PROBE_EVERY)."""
     from dspark_jax import Engine, SamplingParams
 
     target, drafter, _ = tiny
     prompts = _prompts(3, seed=4)
     steep = np.asarray([1.0] * 5 + [0.01] * 12, np.float32)  # any draft token costs far more than it gains
-    engine = Engine(target, drafter, slots=4, max_len=128, policy="dspark", sps_table=steep)
-    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=80))
+    engine = Engine(target, drafter, slots=4, max_len=256, policy="dspark", sps_table=steep)
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=200, ignore_eos=True))
                                                     for i, p in enumerate(prompts)])
-    first = int(state.forwards)  # the forward count of the step's first round
-    _, out = engine.step(state, rounds=2 * sched.PROBE_EVERY)
-    drafted = [bool(np.any(z)) for z in out.round_confidence_logits[0]]  # the drafter ran in that round
-    probes = [(first + r) % sched.PROBE_EVERY == 0 for r in range(len(drafted))]
-    assert sum(probes) >= 1 and drafted == probes  # even confidences of one do not pay: only probes draft
+    first = int(state.forwards)  # the forward count of the first round
+    drafted = []
+    for _ in range(3):
+        state, out = engine.step(state, rounds=64)
+        drafted += [bool(np.any(z)) for z in out.round_confidence_logits[0]]  # the drafter ran in that round
+    expected, r, gap = [], sched.PROBE_EVERY - first, sched.PROBE_EVERY
+    while r < len(drafted):
+        expected.append(r)
+        gap = min(2 * gap, sched.MAX_PROBE_EVERY)
+        r += 1 + gap
+    assert len(drafted) > 100 and len(expected) >= 3
+    assert [r for r, d in enumerate(drafted) if d] == expected  # even confidences of one do not pay
 
 
 def test_plain_rounds_keep_the_drafter_context(tiny):

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from dspark_jax.drafters.config import (
     DRAFTER_KINDS,
@@ -107,6 +108,12 @@ def _place(params, config: DrafterConfig, tcfg: ModelConfig | None, mesh, rules)
     return sharding.shard_tree(params, sharding.drafter_param_axes(params, config, tcfg), mesh, rules)
 
 
+def cast_floats(params, dtype):
+    """The floating-point leaves of `params` in `dtype` (the target's compute dtype): a drafter
+    stored in bf16 and run beside an f32 target would otherwise convert its weights every step."""
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+
 def init_drafter(target, kind: str, seed: int = 0, *, mesh=None, rules=None, **overrides) -> Drafter:
     """A randomly initialised drafter of `kind` (dspark | dflash | eagle3 | ngram) for `target`.
 
@@ -117,7 +124,7 @@ def init_drafter(target, kind: str, seed: int = 0, *, mesh=None, rules=None, **o
     tcfg = target.config
     config = default_config(kind, tcfg.num_layers, **overrides)
     params = drafter_module(kind).init_params(jax.random.PRNGKey(seed), tcfg, config)
-    params = jax.tree.map(lambda a: a.astype(target.dtype) if a.dtype.kind == "f" else a, params)
+    params = cast_floats(params, target.dtype)
     # Initialised as without a mesh (same values bit for bit), then placed.
     params = _place(params, config, tcfg, mesh if mesh is not None else getattr(target, "mesh", None), rules)
     fingerprint = None if kind == "ngram" else target_fingerprint(tcfg)
