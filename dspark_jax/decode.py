@@ -76,9 +76,10 @@ class SlotState:
     # starts from ones (no history: the budget is what the cost table alone allows).
     lagged_confidences: jax.Array
     # An exponential average [slots, G] of each slot's calibrated confidences over the rounds it
-    # drafted (sched.GATE_DECAY per round): the dspark policies' drafting gate reads it, so one
-    # unlucky round does not switch drafting off. A new request starts from ones (it drafts first).
+    # drafted (sched.gate_weight): the dspark policies' drafting gate reads it, so one unlucky
+    # round does not switch drafting off. A new request starts from ones (it drafts first).
     gate_confidences: jax.Array
+    gate_rounds: jax.Array  # [slots] int32 drafted rounds in that average (0: the next one replaces it)
     probe_gap: jax.Array  # [] int32 rounds from the last drafted round to the next probe (sched.next_probe_gap)
     next_probe: jax.Array  # [] int32 the value of `forwards` from which the next round probes
 
@@ -139,6 +140,7 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
         committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
         lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32),
+        gate_rounds=zeros,
         probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
         next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32))
 
@@ -229,6 +231,7 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
         accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, 1.0),
+        gate_rounds=set_(state.gate_rounds, 0),
         forwards=state.forwards + 1)
 
 
@@ -450,9 +453,8 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         lagged_confidences=(state.lagged_confidences if plain
                             else jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1)),
         gate_confidences=(state.gate_confidences if plain
-                          else jnp.where(live[:, None],
-                                         sched.GATE_DECAY * state.gate_confidences + (1 - sched.GATE_DECAY) * conf,
-                                         state.gate_confidences)))
+                          else sched.gate_average(state.gate_confidences, state.gate_rounds, conf, live)),
+        gate_rounds=state.gate_rounds if plain else state.gate_rounds + live.astype(jnp.int32))
     trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
@@ -524,15 +526,17 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
         def plain_then_one_drafted(carry):
             carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
-            start, before = carry[0], carry[1]
+            start, st = carry[:2]
+            averaged = st.gate_rounds
             paid = drafts(carry, probes=False)  # the gate opened by itself (else this round probes)
-            carry = jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False), carry)
+            # A probe's confidences replace the stale average: they are the only fresh news.
+            st = dataclasses.replace(st, gate_rounds=jnp.where(paid, averaged, 0))
+            carry = jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False),
+                                       (start, st, *carry[2:]))
             st, ran = carry[1], carry[0] > start
             gap = jnp.where(ran, sched.next_probe_gap(st.probe_gap, paid), st.probe_gap)
-            probed = ran & ~paid & ~before.done  # [b] a probe's confidences replace the stale average
-            st = dataclasses.replace(
-                st, probe_gap=gap, next_probe=jnp.where(ran, st.forwards + gap, st.next_probe),
-                gate_confidences=jnp.where(probed[:, None], st.lagged_confidences[:, 0], st.gate_confidences))
+            st = dataclasses.replace(st, probe_gap=gap, next_probe=jnp.where(ran, st.forwards + gap, st.next_probe),
+                                     gate_rounds=jnp.where(ran, st.gate_rounds, averaged))
             return (carry[0], st, *carry[2:])
 
         carry = jax.lax.while_loop(going, plain_then_one_drafted, carry)

@@ -61,8 +61,8 @@ DEFAULT_THRESHOLD = 0.5
 # be admitted; a probe round drafts anyway to measure them again, PROBE_EVERY rounds after a round
 # where drafting paid, the gap doubling (up to MAX_PROBE_EVERY) after each probe that found it does
 # not: a probe costs about what a drafted round does, which at high load is several plain rounds.
-# The confidences the gate reads are averaged over drafted rounds with this decay (one low round
-# does not close it); a probe's own confidences replace the average (it is the only fresh news).
+# The confidences the gate reads are averaged over a slot's drafted rounds (gate_average: one low
+# round does not close it); a new request's first drafted round and a probe's replace the average.
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
 GATE_DECAY = 0.75
@@ -266,6 +266,15 @@ def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: Schedu
     best = jnp.max(_level_thetas(conf, params.sps_table, live))
     pays = best > base_tau(conf.shape[0], live) * params.plain_sps
     return (pays | probe_due) & (params.max_length > 0)
+
+
+def gate_average(average: jax.Array, rounds: jax.Array, confidences: jax.Array, live: jax.Array) -> jax.Array:
+    """The gate's average [R, G] after a drafted round with `confidences` [R, G], for rows that
+    have `rounds` [R] drafted rounds in it: the new round weighs 1 / (rounds + 1), at least
+    1 - GATE_DECAY (a running mean that becomes an exponential one), so the first round replaces
+    the start value instead of decaying from it round after round. Rows not live keep theirs."""
+    weight = jnp.maximum(1.0 / (rounds + 1.0), 1.0 - GATE_DECAY)[:, None]
+    return jnp.where(live[:, None], (1.0 - weight) * average + weight * confidences, average)
 
 
 def next_probe_gap(gap: jax.Array, paid: jax.Array) -> jax.Array:

@@ -196,6 +196,25 @@ def test_drafting_pays_weighs_the_drafter_cost():
     assert np.asarray(sched.level_schedule(conf, table)).tolist() == [2, 2]
 
 
+def test_gate_average_replaces_its_start_then_decays():
+    # A row's drafted rounds with confidence x_1, x_2, ...: the mean of the first ones while that
+    # weighs a new round more than 1 - GATE_DECAY, exponential decay after; a row not live keeps its.
+    xs = np.asarray([0.2, 0.6, 0.1, 0.9, 0.4, 0.3, 0.8], np.float32)
+    avg, rounds, live = jnp.ones((2, 1), jnp.float32), jnp.zeros((2,), jnp.int32), jnp.asarray([True, False])
+    expect = None
+    for n, x in enumerate(xs):
+        avg = sched.gate_average(avg, rounds, jnp.full((2, 1), x), live)
+        rounds = rounds + live.astype(jnp.int32)
+        w = max(1 / (n + 1), 1 - sched.GATE_DECAY)
+        expect = x if expect is None else (1 - w) * expect + w * x
+        np.testing.assert_allclose(float(avg[0, 0]), expect, rtol=1e-6)
+    mean = xs[:4].mean()  # the first four rounds weigh alike (1/4 = 1 - GATE_DECAY), then decay
+    for x in xs[4:]:
+        mean = sched.GATE_DECAY * mean + (1 - sched.GATE_DECAY) * x
+    np.testing.assert_allclose(float(avg[0, 0]), mean, rtol=1e-6)
+    assert float(avg[1, 0]) == 1.0
+
+
 def test_threshold_fixed_none_and_caps():
     conf = jnp.asarray([[0.9, 0.9, 0.5, 0.9], [0.4, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
     params = sched.ScheduleParams(sps_table=jnp.ones((16,), jnp.float32), threshold=jnp.float32(0.6),
