@@ -145,6 +145,7 @@ class Engine:
         self.attention_spans = attention_spans(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
         self._programs: dict = {}
+        self._verified_drafts = True  # the last step verified a draft token (span_for's plan)
         # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
         self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         self._params = target.params
@@ -301,8 +302,11 @@ class Engine:
         more than its remaining budget. The step cuts a round's drafts to what the span holds
         (decode.round_caps), so the span only trades attention cost against drafts cut: the dspark
         policies, whose rounds are mostly plain wherever drafting does not pay, plan for one full
-        block on top of the plain rounds; "none" for plain rounds only; the other policies for G+1
-        positions every round. Reads a few bytes per slot, between steps."""
+        block on top of the plain rounds, or for plain rounds only after a step of this engine
+        that verified no draft token (their gate was closed: a probe near the span's edge has its
+        drafts cut rather than every step moving to the next span early); "none" for plain rounds
+        only; the other policies for G+1 positions every round. Reads a few bytes per slot,
+        between steps."""
         policy = self.policy if policy is None else policy
         lengths, occupied, done, budget, emitted = jax.device_get(
             (state.cache.lengths, state.occupied, state.done, state.budget, state.emitted))
@@ -313,7 +317,7 @@ class Engine:
         if policy == "none" or self.drafter is None:
             ahead = rounds  # plain rounds only
         elif policy in sched.TABLE_POLICIES:
-            ahead = rounds + g
+            ahead = rounds + (g if self._verified_drafts else 0)
         else:
             ahead = rounds * (g + 1)
         need = int((lengths + np.minimum(ahead, budget - emitted))[live].max())
@@ -435,6 +439,7 @@ class Engine:
             (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,
              trace, load))
         finished = occupied & done
+        self._verified_drafts = bool(np.any(trace.lengths > 0))
         live = [trace.accepted[i] >= 0 for i in range(self.slots)]  # [rounds] per slot
         out = StepOutput(
             tokens=[tokens[i, :counts[i]].tolist() for i in range(self.slots)], finished=finished.tolist(),

@@ -471,6 +471,14 @@ def test_dspark_span_plans_for_plain_rounds_and_drafts_are_cut_to_it(tiny, tmp_p
             position, emitted = position + accepted + 1, emitted + accepted + 1
     assert span == 256 and cut > 0
     assert tokens == generate(target, [prompt], max_new_tokens=budget).token_ids[0]
+    # After a step that verified no draft (a steep table closes the gate), the plan is plain
+    # rounds only: 248 + 8 fits 256, where another block of 3 would not.
+    engine.sps_table = np.asarray([1.0] * 3 + [0.01] * 6, np.float32)
+    state = engine.insert_many(engine.new_state(), [(0, prompt[:240], SamplingParams(max_new_tokens=60))])
+    assert engine.span_for(state, 8, "dspark") == 256  # 240 + 8 + 3 after the drafting steps above
+    state, out = engine.step(state, rounds=8)
+    assert out.round_lengths[0] == [0] * 8 and int(state.cache.lengths[0]) == 248
+    assert engine.span_for(state, 8, "dspark") == 256 and engine.span_for(state, 8, "fixed") == 512
 
 
 def test_no_recompile_when_load_table_or_threshold_change(tiny):
