@@ -77,7 +77,8 @@ class SlotState:
     lagged_confidences: jax.Array
     # An exponential average [slots, G] of each slot's calibrated confidences over the rounds it
     # drafted (sched.gate_weight): the dspark policies' drafting gate reads it, so one unlucky
-    # round does not switch drafting off. A new request starts from ones (it drafts first).
+    # round does not switch drafting off. A new request starts from the measured slots' mean
+    # (sched.gate_prior; ones on a fresh engine).
     gate_confidences: jax.Array
     gate_rounds: jax.Array  # [slots] int32 drafted rounds in that average (0: the next one replaces it)
     probe_gap: jax.Array  # [] int32 rounds from the last drafted round to the next probe (sched.next_probe_gap)
@@ -230,7 +231,7 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         unreported=set_(state.unreported, True), emitted=set_(state.emitted, 1), budget=set_(state.budget, req.budget),
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
-        accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, 1.0),
+        accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, sched.gate_prior(state.gate_confidences, state.gate_rounds)),
         gate_rounds=set_(state.gate_rounds, 0),
         forwards=state.forwards + 1)
 

@@ -62,7 +62,8 @@ DEFAULT_THRESHOLD = 0.5
 # where drafting paid, the gap doubling (up to MAX_PROBE_EVERY) after each probe that found it does
 # not: a probe costs about what a drafted round does, which at high load is several plain rounds.
 # The confidences the gate reads are averaged over a slot's drafted rounds (gate_average: one low
-# round does not close it); a new request's first drafted round and a probe's replace the average.
+# round does not close it); a new request starts from the other slots' (gate_prior), and its first
+# drafted round and a probe's replace the average.
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
 GATE_DECAY = 0.75
@@ -275,6 +276,18 @@ def gate_average(average: jax.Array, rounds: jax.Array, confidences: jax.Array, 
     the start value instead of decaying from it round after round. Rows not live keep theirs."""
     weight = jnp.maximum(1.0 / (rounds + 1.0), 1.0 - GATE_DECAY)[:, None]
     return jnp.where(live[:, None], (1.0 - weight) * average + weight * confidences, average)
+
+
+def gate_prior(average: jax.Array, rounds: jax.Array) -> jax.Array:
+    """[G] the start value of a new request's gate average: the mean over slots whose average
+    holds measurements (`rounds` [R] > 0; a freed slot keeps its last request's), else ones. A
+    request starting from ones drafts its first round whatever the load; from the workload's
+    recent confidences it waits for the next probe where drafting has not been paying. Its own
+    first drafted round replaces the prior (the slot starts at rounds 0)."""
+    measured = (rounds > 0)[:, None]
+    count = jnp.sum(measured)
+    mean = jnp.sum(jnp.where(measured, average, 0.0), axis=0) / jnp.maximum(count, 1)
+    return jnp.where(count > 0, mean, 1.0)
 
 
 def next_probe_gap(gap: jax.Array, paid: jax.Array) -> jax.Array:

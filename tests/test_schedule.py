@@ -215,6 +215,23 @@ def test_gate_average_replaces_its_start_then_decays():
     assert float(avg[1, 0]) == 1.0
 
 
+def test_a_new_request_starts_its_gate_from_the_measured_slots(tiny):
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    engine = Engine(target, drafter, slots=4, max_len=128, policy="dspark", sps_table=np.full(17, 1.0))
+    params = SamplingParams(max_new_tokens=40)
+    state = engine.insert_many(engine.new_state(), [(i, p, params) for i, p in enumerate(_prompts(2, seed=3))])
+    np.testing.assert_array_equal(np.asarray(state.gate_confidences), 1.0)  # nothing measured yet: ones
+    state, _ = engine.step(state, rounds=3)  # a flat table: every round drafts and measures
+    rounds, average = np.asarray(state.gate_rounds), np.asarray(state.gate_confidences)
+    assert rounds.tolist() == [3, 3, 0, 0] and np.all(average[:2] < 1.0)
+    state = engine.free(state, 1)  # a freed slot's measurements still count
+    state = engine.insert(state, 2, _prompts(1, seed=9)[0], params)
+    np.testing.assert_allclose(np.asarray(state.gate_confidences)[2], average[:2].mean(axis=0), rtol=1e-6)
+    assert np.asarray(state.gate_rounds).tolist() == [3, 3, 0, 0]  # its first drafted round replaces it
+
+
 def test_threshold_fixed_none_and_caps():
     conf = jnp.asarray([[0.9, 0.9, 0.5, 0.9], [0.4, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], jnp.float32)
     params = sched.ScheduleParams(sps_table=jnp.ones((16,), jnp.float32), threshold=jnp.float32(0.6),
