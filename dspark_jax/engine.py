@@ -150,9 +150,10 @@ class Engine:
         self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         self._params = target.params
         # The draft vocabulary's LM-head rows are gathered once here, not in every round.
-        # In the target's dtype: a bf16 checkpoint beside an f32 target converted its weights every step.
-        self._dparams = None if dconfig is None else vocab.bind_head(cast_floats(drafter.params, target.dtype),
-                                                                     target.params)
+        # On the device and in the target's dtype: host (numpy) weights were copied to the device
+        # at every step, and a bf16 checkpoint beside an f32 target converted its weights every step.
+        self._dparams = None if dconfig is None else vocab.bind_head(
+            jax.device_put(cast_floats(drafter.params, target.dtype)), target.params)
         self._state_shardings = None
         if self.mesh is not None:
             self._place_on_mesh(rules)

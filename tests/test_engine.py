@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.numpy as jnp
 
 from conftest import make_tiny_hf_model
 from dspark_jax import Engine, SamplingParams, generate, init_drafter, load_drafter, load_target
@@ -172,6 +173,23 @@ def test_step_never_copies_a_cache(engines, kind, policy):
     copies = [shape for shape in _copied_shapes(text) if tuple(sorted(shape)) in cache_shapes]
     assert not copies, f"{len(copies)} cache-sized copies per step: {copies[:4]}"
     assert _copied_shapes("%c = f32[4,2,8]{2,1,0} copy(%a)") == [(4, 2, 8)]  # the parser itself
+
+
+def test_the_engine_holds_every_weight_on_the_device_in_the_target_dtype(tiny):
+    """A drafter restored from a checkpoint comes as host arrays, possibly bf16: the engine puts
+    them on the device in the target's dtype once, so no step copies or converts weights."""
+    import dataclasses
+
+    import ml_dtypes
+
+    drafter = init_drafter(tiny, "dspark", seed=1, block_size=3)
+    on_host = dataclasses.replace(drafter, params=jax.tree.map(
+        lambda a: np.asarray(a).astype(ml_dtypes.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else np.asarray(a),
+        drafter.params))
+    params, dparams = Engine(tiny, on_host, slots=2, max_len=128).weights
+    leaves = jax.tree.leaves((params, dparams))
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    assert {x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype(tiny.dtype)}
 
 
 def test_bad_input_is_refused_and_changes_nothing(tiny, engines):

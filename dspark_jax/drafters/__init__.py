@@ -185,7 +185,7 @@ def load_drafter(path: str, target=None, *, mesh=None, rules=None) -> Drafter:
         import orbax.checkpoint as ocp
 
         with ocp.StandardCheckpointer() as ckptr:
-            drafter.params = ckptr.restore(params_path)
+            drafter.params = jax.device_put(ckptr.restore(params_path))  # orbax gives host (numpy) arrays
     if mesh is None and target is not None:
         mesh = getattr(target, "mesh", None)
     drafter.params = _place(drafter.params, config, None if target is None else target.config, mesh, rules)
