@@ -76,7 +76,7 @@ class SlotState:
     # starts from ones (no history: the budget is what the cost table alone allows).
     lagged_confidences: jax.Array
     # An exponential average [slots, G] of each slot's calibrated confidences over the rounds it
-    # drafted (sched.gate_weight): the dspark policies' drafting gate reads it, so one unlucky
+    # drafted (sched.gate_average): the dspark policies' drafting gate reads it, so one unlucky
     # round does not switch drafting off. A new request starts from the measured slots' mean
     # (sched.gate_prior; ones on a fresh engine).
     gate_confidences: jax.Array
@@ -231,7 +231,8 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         unreported=set_(state.unreported, True), emitted=set_(state.emitted, 1), budget=set_(state.budget, req.budget),
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
-        accepted=set_(state.accepted, 0), gate_confidences=set_(state.gate_confidences, sched.gate_prior(state.gate_confidences, state.gate_rounds)),
+        accepted=set_(state.accepted, 0),
+        gate_confidences=set_(state.gate_confidences, sched.gate_prior(state.gate_confidences, state.gate_rounds)),
         gate_rounds=set_(state.gate_rounds, 0),
         forwards=state.forwards + 1)
 

@@ -315,7 +315,7 @@ class Engine:
         if not live.any():
             return self.attention_spans[0]
         g = self.block_size
-        if policy == "none" or self.drafter is None:
+        if policy == "none" or g == 0:
             ahead = rounds  # plain rounds only
         elif policy in sched.TABLE_POLICIES:
             ahead = rounds + (g if self._verified_drafts else 0)
