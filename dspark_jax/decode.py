@@ -521,16 +521,22 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         # kinds of round run in two inner loops, plain rounds while the gate is closed and then one
         # drafted round: a lax.cond between them made XLA copy the caches every round, a loop
         # updates them in place.
-        def drafts(carry, probes=True):
+        def drafts(carry, probes=True, measured_only=False):
             i, st = carry[:2]
             due = probes & (st.forwards >= st.next_probe)
-            return sched.drafting_pays(st.gate_confidences, round_caps(st, s, rounds - i), sp, ~st.done, due)
+            live, caps = ~st.done, round_caps(st, s, rounds - i)
+            if measured_only:  # rows whose average holds no drafted round yet carry no evidence
+                live = live & (st.gate_rounds > 0)
+                caps = jnp.where(live, caps, 0)
+            return sched.drafting_pays(st.gate_confidences, caps, sp, live, due)
 
         def plain_then_one_drafted(carry):
             carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
             start, st = carry[:2]
             averaged = st.gate_rounds
-            paid = drafts(carry, probes=False)  # the gate opened by itself (else this round probes)
+            # Drafting paid when the measured rows alone open the gate; a round opened by a start
+            # value (a fresh engine's ones, a new request's prior) is a probe like a due one.
+            paid = drafts(carry, probes=False, measured_only=True)
             # A probe's confidences replace the stale average: they are the only fresh news.
             st = dataclasses.replace(st, gate_rounds=jnp.where(paid, averaged, 0))
             carry = jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False),

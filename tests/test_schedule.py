@@ -424,6 +424,36 @@ def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny):
     assert [r for r, d in enumerate(drafted) if d] == expected  # even confidences of one do not pay
 
 
+def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):
+    """A fresh engine's gate starts from ones, which open it; that first round measures the rows
+    like a probe, so where their measured confidences do not pay, the probe gap doubles from it
+    (rounds 0, 33, 98) instead of restarting at PROBE_EVERY as after a round that paid."""
+    import dataclasses
+
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    flat = dataclasses.replace(drafter, calibration={"temperatures": [1e6] * 3})  # every confidence 0.5
+    # 4 slots: a level of confidences one pays (6 tokens at 0.6 > 3 at 1), of 0.5s none does.
+    table = np.asarray([1.0] * 5 + [0.6] * 4 + [0.1] * 8, np.float32)
+    conf = np.zeros((4, 3), np.float32)
+    conf[:3] = 0.5
+    live = jnp.asarray([True, True, True, False])
+    params = sched.ScheduleParams(jnp.asarray(table), jnp.float32(0.5), jnp.int32(3), jnp.float32(table[4]))
+    assert bool(sched.drafting_pays(jnp.ones((4, 3)), jnp.asarray([3, 3, 3, 0]), params, live))
+    assert not bool(sched.drafting_pays(jnp.asarray(conf), jnp.asarray([3, 3, 3, 0]), params, live))
+
+    engine = Engine(target, flat, slots=4, max_len=256, policy="dspark", sps_table=table)
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=200, ignore_eos=True))
+                                                    for i, p in enumerate(_prompts(3, seed=4))])
+    drafted = []
+    for _ in range(3):
+        state, out = engine.step(state, rounds=64)
+        drafted += [bool(np.any(z)) for z in out.round_confidence_logits[0]]
+    assert [r for r, d in enumerate(drafted) if d] == [0, 1 + 2 * sched.PROBE_EVERY,
+                                                       2 + 2 * sched.PROBE_EVERY + 4 * sched.PROBE_EVERY]
+
+
 def test_plain_rounds_keep_the_drafter_context(tiny):
     """A drafter engine's plain rounds (policy "none" per call) emit the plain greedy tokens and
     give the drafter's context the same K/V as rounds that verify whole blocks."""
