@@ -476,6 +476,35 @@ def step_width(rounds: int, block_size: int) -> int:
     return 1 + rounds * (block_size + 1)
 
 
+def step_rows(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, rows: int,
+              s: DecodeSettings):
+    """`step` over the first `rows` slots only (static; every other slot must be free or done and
+    reported): a server with many slots and few requests pays for the rows it uses, not for all of
+    them. The outputs have every slot's rows (the others commit nothing); `sp` is the table for
+    `rows` rows."""
+    if rows == s.slots:
+        return step(params, dparams, state, sp, rounds=rounds, s=s)
+    axes = batch_axes(lambda b: new_state(params, dparams, dataclasses.replace(s, slots=b)))
+    # The target's cache buffers stay whole (the forward uses their first rows, KVCache): slicing
+    # them out and back copied every stepped row's cache each step.
+    whole = (None,) * len(state.cache.k)
+    axes = dataclasses.replace(axes, cache=dataclasses.replace(axes.cache, k=whole, v=whole))
+    head = jax.tree.map(lambda leaf, axis: leaf if axis is None else jax.lax.slice_in_dim(leaf, 0, rows, axis=axis),
+                        state, axes)
+    head, tokens, counts, ran, trace, load = step(params, dparams, head, sp, rounds=rounds,
+                                                  s=dataclasses.replace(s, slots=rows))
+    state = jax.tree.map(lambda leaf, part, axis: part if axis is None
+                         else jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=axis), state, head, axes)
+    rest = s.slots - rows
+
+    def pad(x, value=0):  # [rows, ...] -> [slots, ...]
+        return jnp.pad(x, [(0, rest)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+    trace = RoundTrace(confidence_logits=pad(trace.confidence_logits), survival=pad(trace.survival),
+                       lengths=pad(trace.lengths), accepted=pad(trace.accepted, -1))
+    return state, pad(tokens), pad(counts), ran, trace, load
+
+
 def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, s: DecodeSettings):
     """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
 

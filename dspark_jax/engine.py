@@ -86,6 +86,19 @@ def confidence_temperatures(drafter, dconfig) -> tuple[float, ...] | None:
     return tuple((temps + [temps[-1]] * dconfig.block_size)[:dconfig.block_size])
 
 
+def row_bucket_sizes(slots: int, rows: Sequence[int] | None = None, multiple: int = 1) -> tuple[int, ...]:
+    """Row buckets of the step program (ascending, the last = slots): a step runs over the
+    smallest bucket that holds every live slot, so a server with 16 slots and one request steps
+    one row. Default: powers of two below `slots`. Buckets must be multiples of `multiple` (the
+    mesh's data axis, over which slots are split)."""
+    if rows is None:
+        rows = [1 << i for i in range(max(slots, 1).bit_length()) if (1 << i) < slots]
+    rows = sorted({int(r) for r in rows} | {int(slots)})
+    if any(r < 1 or r > slots for r in rows):
+        raise ValueError(f"row_buckets must be integers in [1, {slots}], got {rows}")
+    return tuple(r for r in rows if r % multiple == 0 or r == slots)
+
+
 def prefill_buckets(max_len: int, minimum: int = 16) -> tuple[int, ...]:
     """Prompt-length buckets of the insert program: powers of two from `minimum`, and max_len."""
     buckets, b = [], minimum
@@ -100,7 +113,7 @@ class Engine:
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 2048, block_size: int | None = None,
                  verifier: str = "jnp", mesh=None, rules=None, policy: str = "fixed", sps_table=None,
-                 threshold: float = sched.DEFAULT_THRESHOLD):
+                 threshold: float = sched.DEFAULT_THRESHOLD, row_buckets: Sequence[int] | None = None):
         if not isinstance(slots, (int, np.integer)) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         if verifier not in VERIFIERS:
@@ -134,11 +147,17 @@ class Engine:
         self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
                                        verifier=verifier, policy=policy,
                                        confidence_temperatures=confidence_temperatures(drafter, dconfig))
-        self.cost_table: sched.CostTable | None = None
+        self.cost_table: sched.CostTable | None = None  # the full engine's; smaller buckets in .row_buckets
+        self._bucket_tables: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (SPS(B), plain rate)
         self._schedule = sched.ScheduleParams(
             sps_table=jnp.zeros((sched.table_size(int(slots), self.settings.block_size),), jnp.float32),
             threshold=jnp.asarray(check_threshold(threshold), jnp.float32),
             max_length=jnp.asarray(self.settings.block_size, jnp.int32), plain_sps=jnp.zeros((), jnp.float32))
+        self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
+        split = 1 if self.mesh is None else int(dict(self.mesh.shape).get("data", 1))
+        # A mesh that splits slots over `data` steps them all: a row bucket's slice of the cache
+        # would cut across devices.
+        self.row_buckets = row_bucket_sizes(int(slots), row_buckets) if split == 1 else (int(slots),)
         if sps_table is not None:
             self.sps_table = sps_table
         self.prefill_buckets = prefill_buckets(max_len)
@@ -147,7 +166,6 @@ class Engine:
         self._programs: dict = {}
         self._verified_drafts = True  # the last step verified a draft token (span_for's plan)
         # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
-        self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         self._params = target.params
         # The draft vocabulary's LM-head rows are gathered once here, not in every round.
         # On the device and in the target's dtype: host (numpy) weights were copied to the device
@@ -194,37 +212,58 @@ class Engine:
 
     @property
     def sps_table(self) -> np.ndarray | None:
-        """SPS(B) [slots * (G + 1) + 1], the cost table the dspark policies read (None: not yet
-        profiled or given)."""
+        """SPS(B) [slots * (G + 1) + 1], the cost table the dspark policies read for a step over
+        every slot (None: not yet profiled or given); smaller row buckets read their own
+        (cost_table.row_buckets)."""
         return None if self.cost_table is None else np.asarray(self.cost_table.table, np.float32)
 
     @sps_table.setter
     def sps_table(self, table) -> None:
-        """A CostTable, its JSON path, or an array SPS(B) for B = 0, 1, ...: entries past the
-        engine's largest B are dropped, missing ones are 0 (such a batch is never scheduled).
-        An array carries no rate for a round without a draft: its width-1 entry stands for it
-        (drafting taken as free). A new table is data for the compiled steps: it compiles nothing."""
+        """A CostTable, its JSON path, or an array SPS(B) for B = 0, 1, ...: entries past a
+        bucket's largest B are dropped, missing ones are 0 (such a batch is never scheduled).
+        A CostTable prices each row bucket it was profiled at (the others are profiled when first
+        needed); an array prices every bucket. An array carries no rate for a round without a
+        draft: its width-R entry stands for it (drafting taken as free). A new table is data for
+        the compiled steps: it compiles nothing."""
         if isinstance(table, (str, os.PathLike)):
             table = sched.CostTable.load(os.fspath(table))
         if isinstance(table, sched.CostTable):
             cost = table
-            values = np.asarray(table.table, np.float32)
+            per_rows = {t.slots: t for t in table.row_buckets if t.slots in self.row_buckets}
+            per_rows[self.slots] = table
         else:
-            values = np.asarray(table, np.float32)
             cost = sched.CostTable(slots=self.slots, block_size=self.block_size, widths=[], steps_per_second=[],
-                                   table=values.tolist())
+                                   table=np.asarray(table, np.float32).reshape(-1).tolist())
+            per_rows = {rows: cost for rows in self.row_buckets}  # an array is SPS(B) whatever the rows
+            if np.ndim(table) != 1:
+                per_rows = {}
+        tables = {rows: self._bucket_table(rows, t, table) for rows, t in per_rows.items()}
+        if not tables:
+            raise ValueError("sps_table must be a non-empty 1-D array of finite steps per second >= 0, "
+                             f"got shape {np.shape(table)}")
+        self.cost_table = cost
+        self._bucket_tables = tables
+
+    def _bucket_table(self, rows: int, cost: sched.CostTable, given) -> tuple[jax.Array, jax.Array]:
+        """(SPS(B) [rows * (G + 1) + 1], plain rate) of a row bucket from its table (checked)."""
+        values = np.asarray(cost.table, np.float32)
         if values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)) or np.any(values < 0):
             raise ValueError("sps_table must be a non-empty 1-D array of finite steps per second >= 0, "
-                             f"got shape {values.shape}")
-        size = sched.table_size(self.slots, self.block_size)
+                             f"got shape {np.shape(given)}")
+        size = sched.table_size(rows, self.block_size)
         padded = np.zeros((size,), np.float32)
         padded[:min(size, values.size)] = values[:size]
-        plain = cost.plain_steps_per_second or float(padded[min(self.slots, size - 1)])  # unknown: no draft cost
+        plain = cost.plain_steps_per_second or float(padded[min(rows, size - 1)])  # unknown: no draft cost
         if not np.isfinite(plain) or plain < 0:
             raise ValueError(f"plain_steps_per_second must be finite and >= 0, got {plain!r}")
-        self.cost_table = cost
-        self._schedule = dataclasses.replace(self._schedule, sps_table=jnp.asarray(padded),
-                                             plain_sps=jnp.asarray(plain, jnp.float32))
+        return jnp.asarray(padded), jnp.asarray(plain, jnp.float32)
+
+    def _schedule_for(self, rows: int) -> sched.ScheduleParams:
+        """The schedule inputs of a step over `rows` rows: its bucket's table (zeros before one is
+        profiled or given: the shape the program is compiled for)."""
+        table, plain = self._bucket_tables.get(
+            rows, (jnp.zeros((sched.table_size(rows, self.block_size),), jnp.float32), jnp.zeros((), jnp.float32)))
+        return dataclasses.replace(self._schedule, sps_table=table, plain_sps=plain)
 
     @property
     def threshold(self) -> float:
@@ -237,10 +276,20 @@ class Engine:
                                              threshold=jnp.asarray(check_threshold(value), jnp.float32))
 
     def profile(self, max_tokens: int | None = None) -> sched.CostTable:
-        """Measure this engine's cost table (schedule.profile_sps) and use it."""
-        table = sched.profile_sps(self, max_tokens)
+        """Measure this engine's cost table at every row bucket (schedule.profile_sps) and use it."""
+        tables = [sched.profile_sps(self, max_tokens, rows=rows) for rows in self.row_buckets]
+        table = dataclasses.replace(tables[-1], row_buckets=tables[:-1])
         self.sps_table = table
         return table
+
+    def _profile_missing(self) -> None:
+        """Profile the row buckets that have no table yet (a table given for the full engine only)."""
+        if self.cost_table is None:
+            self.profile()
+            return
+        new = [sched.profile_sps(self, rows=rows) for rows in self.row_buckets if rows not in self._bucket_tables]
+        self.sps_table = dataclasses.replace(self.cost_table, row_buckets=[
+            *[t for t in self.cost_table.row_buckets if t.slots in self.row_buckets], *new])
 
     @property
     def weights(self):
@@ -288,13 +337,23 @@ class Engine:
         s = self.settings
         return lambda p, dp, state, req: decode.insert(p, dp, state, req, s=s)
 
-    def _step_fn(self, rounds: int, span: int, policy: str):
+    def _step_fn(self, rounds: int, span: int, policy: str, rows: int):
         s = dataclasses.replace(self.settings, kv_len=span, policy=policy)
-        return lambda p, dp, state, sp: decode.step(p, dp, state, sp, rounds=rounds, s=s)
+        return lambda p, dp, state, sp: decode.step_rows(p, dp, state, sp, rounds=rounds, rows=rows, s=s)
 
-    def _step_program(self, rounds: int, span: int, policy: str):
-        args = (self._state_shape(), self._schedule)
-        return self._program(f"step{rounds}@{span}:{policy}", self._step_fn(rounds, span, policy), args, (0,))
+    def _step_program(self, rounds: int, span: int, policy: str, rows: int | None = None):
+        rows = self.slots if rows is None else rows
+        args = (self._state_shape(), self._schedule_for(rows))
+        return self._program(f"step{rounds}@{span}x{rows}:{policy}", self._step_fn(rounds, span, policy, rows),
+                             args, (0,))
+
+    def rows_for(self, state: SlotState) -> int:
+        """The smallest row bucket that holds every slot a step must visit (live, or holding a
+        first token not yet reported). Reads two bytes per slot, between steps."""
+        done, unreported = jax.device_get((state.done, state.unreported))
+        visit = np.flatnonzero(~done | unreported)
+        need = int(visit[-1]) + 1 if visit.size else 1
+        return next(rows for rows in self.row_buckets if rows >= need)
 
     def span_for(self, state: SlotState, rounds: int, policy: str | None = None) -> int:
         """The smallest attention span for a step of `rounds` rounds under `policy`.
@@ -349,10 +408,12 @@ class Engine:
                 self._program("insert", self._insert_fn(), (state, self._abstract_requests(pow2(n), length)), (0,))
         for r in rounds:
             for span in self.attention_spans:
-                self._step_program(int(r), span, self.policy)
+                for rows in self.row_buckets:
+                    self._step_program(int(r), span, self.policy, rows)
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
-        if self.policy in sched.TABLE_POLICIES and self.cost_table is None:
-            self.profile()
+        if self.policy in sched.TABLE_POLICIES and self.settings.dconfig is not None and (
+                len(self._bucket_tables) < len(self.row_buckets)):
+            self._profile_missing()
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ requests
@@ -426,15 +487,17 @@ class Engine:
         policy = self.policy if policy is None else sched.check_policy(policy)
         if self.settings.dconfig is None:
             policy = "none"  # plain decoding: there is nothing to schedule
-        sp = self._schedule
+        rows = self.rows_for(state)
+        sp = self._schedule_for(rows)
         if max_length is not None:
             if not isinstance(max_length, (int, np.integer)) or not 0 <= max_length <= self.block_size:
                 raise ValueError(f"max_length must be an integer in [0, {self.block_size}], got {max_length!r}")
             sp = dataclasses.replace(sp, max_length=jnp.asarray(max_length, jnp.int32))
-        if policy in sched.TABLE_POLICIES and self.cost_table is None and max_length != 0:
-            self.profile()  # once, before the first step that needs the table (a cap of 0 never drafts)
+        if policy in sched.TABLE_POLICIES and rows not in self._bucket_tables and max_length != 0:
+            self._profile_missing()  # once, before the first step that needs it (a cap of 0 never drafts)
+            sp = dataclasses.replace(self._schedule_for(rows), max_length=sp.max_length)
         span = self.span_for(state, int(rounds), policy)
-        program = self._step_program(int(rounds), span, policy)
+        program = self._step_program(int(rounds), span, policy, rows)
         state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)
         tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load = jax.device_get(
             (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,

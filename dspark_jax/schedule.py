@@ -357,6 +357,8 @@ class CostTable:
     drafter: str = ""
     device: str = ""
     plain_steps_per_second: float = 0.0  # a round that does not draft (0: unknown, taken as the width-1 entry)
+    # Tables of the engine's smaller row buckets (each with its own `slots`: the rows it steps).
+    row_buckets: list["CostTable"] = dataclasses.field(default_factory=list)
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -375,7 +377,13 @@ class CostTable:
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
         if missing:
             raise ValueError(f"{path}: not a cost table (missing {', '.join(missing)})")
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostTable":
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        fields["row_buckets"] = [cls.from_dict(t) for t in fields.get("row_buckets", [])]
+        return cls(**fields)
 
     def plot(self, path: str) -> None:
         import matplotlib
@@ -384,9 +392,10 @@ class CostTable:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        b = np.arange(len(self.table))
-        ax.step(b, self.table, where="post", label="SPS(B)")
-        ax.plot([self.slots * w for w in self.widths], self.steps_per_second, "o", label="measured")
+        for part in (*self.row_buckets, self):
+            line, = ax.step(np.arange(len(part.table)), part.table, where="post", label=f"SPS(B), {part.slots} rows")
+            ax.plot([part.slots * w for w in part.widths], part.steps_per_second, "o", color=line.get_color())
+        ax.set_xscale("symlog")
         ax.set_xlabel("tokens in the verification forward (B)")
         ax.set_ylabel("verification steps per second")
         ax.set_title(f"{self.model} + {self.drafter or 'no drafter'}, {self.slots} slots")
@@ -396,12 +405,13 @@ class CostTable:
         plt.close(fig)
 
 
-def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repeats: int = 3,
-                prompt_len: int = 16) -> CostTable:
-    """Measure verification steps per second of `engine` at each width it compiles, every slot
-    live and drafting (the drafter's cost included): SPS(B) for B = slots * w, as a staircase
-    table over B = 0 .. max_tokens (default slots * (G + 1)); and the rate of a round that does
-    not draft (the dspark gate's other choice). Runs the engine's own step program ("fixed" with
+def profile_sps(engine, max_tokens: int | None = None, *, rows: int | None = None, rounds: int = 8,
+                repeats: int = 3, prompt_len: int = 16) -> CostTable:
+    """Measure verification steps per second of `engine` at each width it compiles, with the
+    first `rows` slots (one of engine.row_buckets; default all) live and drafting (the drafter's
+    cost included): SPS(B) for B = rows * w, as a staircase table over B = 0 .. max_tokens
+    (default rows * (G + 1)); and the rate of a round that does not draft (the dspark gate's
+    other choice). Runs the engine's own step program ("fixed" with
     max_length = w - 1; "none" for the plain round the gate falls back to), best of `repeats` timed
     calls, all variants interleaved so the machine's noise hits them alike; every call starts
     from freshly inserted slots, so each is timed at the same context length."""
@@ -412,12 +422,15 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     g = engine.block_size
-    size = table_size(engine.slots, g)
+    rows = engine.slots if rows is None else rows
+    if rows not in engine.row_buckets:
+        raise ValueError(f"rows must be one of the engine's row buckets {engine.row_buckets}, got {rows!r}")
+    size = table_size(rows, g)
     if max_tokens is not None:
         if not isinstance(max_tokens, (int, np.integer)) or max_tokens < engine.slots:
             raise ValueError(f"max_tokens must be an integer >= the slot count {engine.slots}, got {max_tokens!r}")
         size = min(size, int(max_tokens) + 1)
-    widths = [w for w in verify_widths(g) if engine.slots * w < size] if g else [1]
+    widths = [w for w in verify_widths(g) if rows * w < size] if g else [1]
     room = engine.max_len - prompt_len - engine.extra_positions
     steps = min(int(rounds), room // (max(widths) + 1))
     if steps < 1:
@@ -429,7 +442,7 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
     for call in range(repeats + 1):  # the first call of each variant may compile: untimed
         for policy, cap in variants:
             state = None  # one state alive at a time
-            state = engine.insert_many(engine.new_state(), [(slot, ids, params) for slot in range(engine.slots)])
+            state = engine.insert_many(engine.new_state(), [(slot, ids, params) for slot in range(rows)])
             start = time.perf_counter()
             state, out = engine.step(state, rounds=steps, policy=policy, max_length=cap)
             seconds = time.perf_counter() - start
@@ -437,8 +450,8 @@ def profile_sps(engine, max_tokens: int | None = None, *, rounds: int = 8, repea
                 best[(policy, cap)] = min(best[(policy, cap)], seconds / out.rounds)
     measured = [float(np.float32(1.0 / best[("fixed", w - 1)])) for w in widths]  # as the table holds it
     plain = float(np.float32(1.0 / best[("none", None)])) if g else measured[0]
-    return CostTable(slots=engine.slots, block_size=g, widths=list(widths), steps_per_second=measured,
-                     table=staircase(engine.slots, widths, measured, size).tolist(),
+    return CostTable(slots=rows, block_size=g, widths=list(widths), steps_per_second=measured,
+                     table=staircase(rows, widths, measured, size).tolist(),
                      device=jax.devices()[0].device_kind, plain_steps_per_second=plain)
 
 
@@ -461,11 +474,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     target = load_target(args.model, dtype=args.dtype)
     engine = Engine(target, args.drafter, slots=args.slots, max_len=args.max_len)
-    table = profile_sps(engine, args.max_tokens)
+    table = engine.profile(args.max_tokens)
     table.model, table.drafter = args.model, args.drafter or ""
-    print(f"no draft   B = {table.slots:5d}  {table.plain_steps_per_second:8.2f} steps/s")
-    for w, sps in zip(table.widths, table.steps_per_second):
-        print(f"width {w:3d}  B = {table.slots * w:5d}  {sps:8.2f} steps/s  {sps * table.slots * w:9.1f} tokens/s")
+    for part in (*table.row_buckets, table):
+        print(f"{part.slots:3d} rows  no draft   B = {part.slots:5d}  {part.plain_steps_per_second:8.2f} steps/s")
+        for w, sps in zip(part.widths, part.steps_per_second):
+            print(f"{part.slots:3d} rows  width {w:3d}  B = {part.slots * w:5d}  {sps:8.2f} steps/s  "
+                  f"{sps * part.slots * w:9.1f} tokens/s")
     table.save(args.out)
     plot = args.plot or os.path.splitext(args.out)[0] + ".png"
     table.plot(plot)

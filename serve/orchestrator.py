@@ -225,6 +225,7 @@ class Orchestrator:
 
     def _admit(self, jobs: list[Job]) -> None:
         with self._lock:
+            self._free.sort(reverse=True)  # lowest slots first: a step visits the rows up to the highest live one
             slots = [self._free.pop() for _ in jobs]
         for job, slot in zip(jobs, slots):
             job.slot = slot

@@ -127,6 +127,41 @@ def test_free_and_reuse_reads_no_leftovers(engines, kind):
     assert tokens[1] == expected
 
 
+def test_row_bucket_sizes():
+    from dspark_jax.engine import row_bucket_sizes
+
+    assert row_bucket_sizes(16) == (1, 2, 4, 8, 16) and row_bucket_sizes(6) == (1, 2, 4, 6)
+    assert row_bucket_sizes(1) == (1,) and row_bucket_sizes(8, [3]) == (3, 8)
+    assert row_bucket_sizes(8, multiple=4) == (4, 8)
+    with pytest.raises(ValueError, match="row_buckets must be"):
+        row_bucket_sizes(8, [0, 4])
+
+
+def test_a_step_visits_only_the_rows_its_slots_need(tiny, engines):
+    """A step runs over the smallest row bucket that holds every slot still to visit (live, or
+    with a first token to report), and leaves every other slot exactly as it was: a finished
+    request's cache and result stay for the caller to read until it frees the slot."""
+    engine = engines[None]
+    assert engine.row_buckets == (1, 2, 4)
+    first, second = _prompts(2, seed=11)
+    state = engine.insert(engine.new_state(), 3, first, SamplingParams(max_new_tokens=3))
+    assert engine.rows_for(state) == 4
+    state, _, _ = _run_to_end(engine, state, [3])  # finished, reported, not freed
+    kept = jax.device_get((state.cache.k, state.cache.v, state.cache.lengths, state.anchor, state.emitted))
+    state = engine.insert(state, 0, second, SamplingParams(max_new_tokens=9))
+    assert engine.rows_for(state) == 1
+    state, tokens, _ = _run_to_end(engine, state, [0])
+    assert tokens[0] == generate(tiny, [second], max_new_tokens=9).token_ids[0]
+    after = jax.device_get((state.cache.k, state.cache.v, state.cache.lengths, state.anchor, state.emitted))
+    for old, new in zip(jax.tree.leaves(kept), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(np.asarray(old)[3], np.asarray(new)[3])
+    state = engine.insert(state, 1, first, SamplingParams(max_new_tokens=1))  # done at once, yet unreported
+    state = engine.free(state, 0)
+    assert engine.rows_for(state) == 2
+    state, out = engine.step(state)
+    assert out.finished[1] and out.finished[3] and len(out.tokens[1]) == 1 and engine.rows_for(state) == 1
+
+
 def test_no_compile_after_warmup(engines):
     engine = engines["dspark"]
     seconds = engine.warmup(rounds=(2, 4))
@@ -159,17 +194,24 @@ def _copied_shapes(hlo_text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-@pytest.mark.parametrize("kind,policy", [(None, "none"), ("dspark", "fixed"), ("dspark", "dspark")])
-def test_step_never_copies_a_cache(engines, kind, policy):
+@pytest.mark.parametrize("kind,policy,rows", [(None, "none", 4), ("dspark", "fixed", 4), ("dspark", "dspark", 4),
+                                             (None, "none", 1), ("dspark", "dspark", 1)])
+def test_step_never_copies_a_cache(engines, kind, policy, rows):
     """The decode step updates the target's KV cache and the drafter's context in place: no copy
     of either (in any axis order) in the compiled program. A lax.switch over verification
-    widths whose branches wrote the cache made XLA copy it every round; this pins the fix."""
+    widths whose branches wrote the cache made XLA copy it every round; this pins the fix. A step
+    over fewer rows than slots copies no whole buffer either, and a plain one not even its own
+    rows' cache (a drafted round's read-only forward may lay out the rows' attention window
+    afresh; only the drafter's one-layer context of those rows goes out and back)."""
     engine = engines[kind]
     state = engine.new_state()
+    target_layer = state.cache.k[0].shape
     cache_shapes = {tuple(sorted(leaf.shape)) for leaf in jax.tree.leaves((state.cache.k, state.cache.v, state.drafter))
                     if leaf.ndim >= 3}
-    assert cache_shapes
-    text = engine._step_program(1, engine.max_len, policy).as_text()
+    if policy == "none":
+        cache_shapes.add(tuple(sorted((rows, *target_layer[1:]))))
+    assert cache_shapes and rows in engine.row_buckets
+    text = engine._step_program(1, engine.max_len, policy, rows).as_text()
     copies = [shape for shape in _copied_shapes(text) if tuple(sorted(shape)) in cache_shapes]
     assert not copies, f"{len(copies)} cache-sized copies per step: {copies[:4]}"
     assert _copied_shapes("%c = f32[4,2,8]{2,1,0} copy(%a)") == [(4, 2, 8)]  # the parser itself

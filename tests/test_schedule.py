@@ -255,7 +255,9 @@ def test_staircase_table_and_json(tmp_path):
     assert table.shape == (33,)
     assert table[0] == table[4] == 40.0 and table[5] == table[8] == 30.0 and table[9] == 20.0 and table[32] == 10.0
     cost = sched.CostTable(slots=4, block_size=7, widths=[1, 2, 4, 8], steps_per_second=[40.0, 30.0, 20.0, 10.0],
-                           table=table.tolist(), model="m")
+                           table=table.tolist(), model="m",
+                           row_buckets=[sched.CostTable(slots=1, block_size=7, widths=[1, 2], steps_per_second=[80.0, 70.0],
+                                                        table=[80.0, 80.0, 70.0, 0.0], plain_steps_per_second=90.0)])
     cost.save(str(tmp_path / "sps.json"))
     assert sched.CostTable.load(str(tmp_path / "sps.json")) == cost
     with pytest.raises(FileNotFoundError, match="no cost table"):
@@ -519,8 +521,9 @@ def test_dspark_span_plans_for_plain_rounds_and_drafts_are_cut_to_it(tiny, tmp_p
     assert span == 256 and cut > 0
     assert tokens == generate(target, [prompt], max_new_tokens=budget).token_ids[0]
     # After a step that verified no draft (a steep table closes the gate), the plan is plain
-    # rounds only: 248 + 8 fits 256, where another block of 3 would not.
-    engine.sps_table = np.asarray([1.0] * 3 + [0.01] * 6, np.float32)
+    # rounds only: 248 + 8 fits 256, where another block of 3 would not. An array prices every
+    # row bucket and one live request runs at bucket 1 (plain rate SPS(1)), so it is steep past B = 1.
+    engine.sps_table = np.asarray([1.0] * 2 + [0.01] * 7, np.float32)
     state = engine.insert_many(engine.new_state(), [(0, prompt[:240], SamplingParams(max_new_tokens=60))])
     assert engine.span_for(state, 8, "dspark") == 256  # 240 + 8 + 3 after the drafting steps above
     state, out = engine.step(state, rounds=8)
@@ -566,6 +569,9 @@ def test_profile_sps_cli_and_json_round_trip(tiny, tmp_path):
     assert table.widths == [1, 2, 4] and len(table.table) == 2 * 4 + 1
     assert all(s > 0 for s in table.steps_per_second) and table.plain_steps_per_second > 0
     assert table.table[0] == table.table[2] == table.steps_per_second[0] and table.table[8] == table.steps_per_second[2]
+    one = table.row_buckets[0]  # the engine's other row bucket: one slot live, its own forward
+    assert [t.slots for t in table.row_buckets] == [1] and one.widths == [1, 2, 4] and len(one.table) == 1 * 4 + 1
+    assert all(s > 0 for s in one.steps_per_second) and one.plain_steps_per_second > 0
     save_drafter(drafter, str(tmp_path / "drafter"))
     out = tmp_path / "sps.json"
     assert sched.main(["--model", path, "--drafter", str(tmp_path / "drafter"), "--slots", "2", "--max-len", "128",
@@ -573,6 +579,7 @@ def test_profile_sps_cli_and_json_round_trip(tiny, tmp_path):
     assert (tmp_path / "sps.png").stat().st_size > 0
     loaded = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_table=str(out))
     assert loaded.cost_table.widths == [1, 2, 4] and loaded.sps_table.shape == (9,)
+    assert [t.slots for t in loaded.cost_table.row_buckets] == [1]
 
 
 def test_user_errors_name_the_problem(tiny):

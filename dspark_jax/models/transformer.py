@@ -41,9 +41,11 @@ class KVCache:
     committed, so rejected draft tokens never need erasing.
     """
 
-    k: tuple[jax.Array, ...]  # per layer [batch, kv_heads, max_len, head_dim] (kv-major: no transposes)
-    v: tuple[jax.Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
+    k: tuple[jax.Array, ...]  # per layer [rows, kv_heads, max_len, head_dim] (kv-major: no transposes)
+    v: tuple[jax.Array, ...]  # per layer [rows, kv_heads, max_len, head_dim]
     lengths: jax.Array  # [batch] int32, committed tokens per row
+    # rows >= batch: a forward over a batch of b rows uses the buffers' first b rows, so an
+    # engine steps its first few slots without copying the others' caches (decode.step_rows).
 
     @property
     def max_len(self) -> int:
@@ -144,6 +146,10 @@ def write_chunk(buffer: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Ar
     out-of-range dropping made XLA:CPU copy the buffer several times per layer.) The slots must
     lie inside the buffer; the Engine guarantees it by checking prompt + budget against max_len.
     """
+    b, t = chunk.shape[:2]
+    if buffer.shape[0] != b:  # the batch is the buffer's first b rows (KVCache): one in-bounds scatter
+        slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]  # [b, t]
+        return buffer.at[jnp.arange(b)[:, None], :, slots].set(chunk.astype(buffer.dtype), mode="promise_in_bounds")
     rows = jnp.swapaxes(chunk.astype(buffer.dtype), 1, 2)  # [b, kv_heads, t, d]
     return jax.vmap(lambda row, new, s0: lax.dynamic_update_slice(row, new, (0, s0, 0)))(buffer, rows, start)
 
@@ -197,11 +203,11 @@ def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_
         elif write:
             layer_k = write_chunk(cache.k[i], k, positions[:, 0])
             layer_v = write_chunk(cache.v[i], v, positions[:, 0])
-            attn = attend_parts(q, [(layer_k[:, :, :span], layer_v[:, :, :span], cache_mask)])
+            attn = attend_parts(q, [(layer_k[:b, :, :span], layer_v[:b, :, :span], cache_mask)])
             out_k.append(layer_k)
             out_v.append(layer_v)
         else:
-            attn = attend_parts(q, [(cache.k[i][:, :, :span], cache.v[i][:, :, :span], cache_mask), chunk_part])
+            attn = attend_parts(q, [(cache.k[i][:b, :, :span], cache.v[i][:b, :, :span], cache_mask), chunk_part])
         h = h + linear(attn.reshape(b, t, -1), lp["wo"])
         h = mlp_residual(lp, config, h)
         if i in feature_layers:
