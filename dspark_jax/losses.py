@@ -57,11 +57,16 @@ def _draft_space(outputs: dict, target_token_ids: jax.Array, draft_vocab: jax.Ar
 
 
 def dspark_loss(outputs: dict, target_token_ids: jax.Array, target_probs: jax.Array, mask: jax.Array,
-                temperature: float = 1.0, draft_vocab: jax.Array | None = None):
+                temperature: float = 1.0, draft_vocab: jax.Array | None = None,
+                target_outside: jax.Array | None = None, vocab_size: int | None = None):
     """L = 0.1 CE + 0.9 TV + 1.0 BCE over a train_forward output.
 
     target_token_ids [b, A, G] ground-truth next tokens; target_probs [b, A, G, V] the target's
-    distribution p_k at the same temperature; mask [b, A, G] supervised positions.
+    distribution p_k at the same temperature; mask [b, A, G] supervised positions. With
+    `draft_vocab` and `target_outside` [b, A, G] (the target's mass outside the draft ids),
+    target_probs is p_k over the draft ids only, [b, A, G, N], and `vocab_size` V is needed: the
+    same loss without [.., V] teacher arrays (the trainer builds p there from the teacher's cached
+    log-normaliser).
     q_k = softmax(logits / temperature); TV term ||q_k - p_k||_1; the confidence head is fit to
     the soft label c*_k = clip(1 - 0.5 ||q_k - p_k||_1, 0, 1) (the acceptance probability of
     q_k against p_k), detached so BCE does not pull the draft distribution.
@@ -70,14 +75,19 @@ def dspark_loss(outputs: dict, target_token_ids: jax.Array, target_probs: jax.Ar
     them, exactly, without [.., V] arrays in the backward pass.
     Returns (loss scalar, metrics dict of the unweighted-by-coefficient terms).
     """
-    logits, target_index = _draft_space(outputs, target_token_ids, draft_vocab, target_probs.shape[-1])
+    if target_outside is not None and (draft_vocab is None or vocab_size is None):
+        raise ValueError("target_outside is the mass outside a draft vocabulary: pass draft_vocab and vocab_size")
+    logits, target_index = _draft_space(outputs, target_token_ids, draft_vocab,
+                                        target_probs.shape[-1] if vocab_size is None else vocab_size)
     logq = _log_q(logits, temperature)  # [b, A, G, N]
     q = jnp.exp(logq)
     weight = mask.astype(jnp.float32) * position_weights(mask.shape[-1])  # [b, A, G]
     ce, in_vocab = _cross_entropy(logq, target_index)
     p = target_probs.astype(jnp.float32)
     outside = jnp.zeros(mask.shape, jnp.float32)
-    if draft_vocab is not None:
+    if target_outside is not None:
+        outside = target_outside.astype(jnp.float32)
+    elif draft_vocab is not None:
         p = jnp.take(p, draft_vocab, axis=-1)  # [b, A, G, N]
         outside = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)  # the target's mass the drafter cannot emit
     l1 = jnp.sum(jnp.abs(q - p), axis=-1) + outside  # [b, A, G]

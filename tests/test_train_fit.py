@@ -189,3 +189,25 @@ def test_block_targets_past_the_end_stay_in_range():
     assert supervised.tolist() == [[[True, True, False, False]]]
     assert targets[0, 0, :2].tolist() == [8, 9]
     assert src.tolist() == [[[7, 8, 9, 9]]]
+
+
+def test_cached_teacher_normaliser_is_the_logsumexp_of_the_lm_head(tiny_train_data):
+    """Each shard's *.lse.npy is logsumexp over all V of the target's LM-head logits at the cached
+    (bf16) final hidden state, in numpy float64: what lets the DSpark step build the teacher over
+    the draft ids only."""
+    import ml_dtypes
+
+    from train import data as data_lib
+    from train import features as features_lib
+
+    target = data_lib.data_target(tiny_train_data, None)
+    head = np.asarray(target.params.get("lm_head", target.params["embed"]), np.float64)  # [V, e]
+    shard = data_lib.shard_paths(tiny_train_data, "train")[0]
+    bits = np.load(features_lib.feature_path(tiny_train_data, (0, 1), "train", shard))
+    lse = np.load(features_lib.lse_path(tiny_train_data, (0, 1), "train", shard))
+    assert lse.shape == (bits.shape[0],) and lse.dtype == np.float32
+    hidden = bits[:, -1].view(ml_dtypes.bfloat16).astype(np.float64)  # [tokens, e]
+    logits = hidden @ head.T
+    top = logits.max(-1)
+    want = top + np.log(np.exp(logits - top[:, None]).sum(-1))
+    np.testing.assert_allclose(lse, want, rtol=1e-5, atol=1e-5)

@@ -75,6 +75,14 @@ def test_dspark_loss_against_numpy_with_out_of_vocabulary_mass(temperature):
                                jnp.asarray(targets), jnp.asarray(p), jnp.asarray(mask), temperature)
     np.testing.assert_allclose(float(loss_full), want, rtol=1e-5)
 
+    # The teacher given over the draft ids only, with its outside mass (what the trainer passes,
+    # built from the cached log-normaliser), is the same loss.
+    p_draft = p[..., draft_vocab]
+    outside = 1.0 - p_draft.sum(-1)
+    loss_draft, _ = dspark_loss(outputs, jnp.asarray(targets), jnp.asarray(p_draft), jnp.asarray(mask), temperature,
+                                draft_vocab=jnp.asarray(draft_vocab), target_outside=jnp.asarray(outside), vocab_size=V)
+    np.testing.assert_allclose(float(loss_draft), want, rtol=1e-5)
+
 
 def test_dflash_loss_against_numpy():
     draft_vocab, logits, _, _, targets, mask = _inputs(1)

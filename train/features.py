@@ -13,7 +13,14 @@ in the step from the cached hidden state by the LM head, so TV sees the exact fu
 distribution (the mass outside the draft vocabulary included) without storing [T, V] arrays.
 `benchmarks/bench_train.py` measures both costs per token.
 
-Resumable like train.data: a shard whose feature file exists is skipped.
+Beside each feature file, `*.lse.npy` holds the teacher's log-normaliser per token
+(logsumexp of the LM-head logits of that cached hidden state, float32). With it the step needs
+the teacher's logits over the N draft ids only: p_k = exp(logit - lse) over them and the mass
+outside them is 1 - their sum, exactly, at N/V of the LM-head cost (for smollm2-135m, 8192 of
+49152 columns: the full-vocabulary teacher head was about as costly as the drafter's own
+forward and backward).
+
+Resumable like train.data: a shard whose feature (and log-normaliser) file exists is skipped.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ def features_dir(data: str, layers: Sequence[int]) -> str:
 
 def feature_path(data: str, layers: Sequence[int], split: str, shard: str) -> str:
     return os.path.join(features_dir(data, layers), split, os.path.basename(shard).replace(".npz", ".npy"))
+
+
+def lse_path(data: str, layers: Sequence[int], split: str, shard: str) -> str:
+    """The teacher log-normaliser file beside a shard's feature file."""
+    return feature_path(data, layers, split, shard).replace(".npy", ".lse.npy")
 
 
 def to_bf16_bits(x) -> np.ndarray:
@@ -92,7 +104,9 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
     start = 0
     while start < len(order):
         length = length_bucket(len(rows[order[start]]["tokens"]))
-        count = max(1, batch_tokens // length)
+        # A power of two, so only the last group of a length is padded to one (the forward
+        # compiles per power-of-two row count): 12 rows padded to 16 wasted a quarter.
+        count = 1 << max(0, (max(1, batch_tokens // length)).bit_length() - 1)
         group = [i for i in order[start:start + count] if len(rows[i]["tokens"]) <= length]
         start += len(group)
         tokens = np.zeros((pow2(len(group)), length), np.int32)  # rows bucketed to a power of two
@@ -104,6 +118,37 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
     return np.concatenate(out, axis=0)
 
 
+def teacher_lse(target, feature_bits: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """[tokens] float32: logsumexp of the target's LM-head logits at each token's cached final
+    hidden state (the last of the m + 1 stored vectors, in its stored bf16 precision, as the
+    training step reads it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.models.transformer import logits_from_hidden
+
+    @jax.jit
+    def lse(params, bits):
+        hidden = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)  # [chunk, e]
+        return jax.nn.logsumexp(logits_from_hidden(params, hidden), axis=-1)  # [chunk]
+
+    n = feature_bits.shape[0]
+    out = np.empty((n,), np.float32)
+    for start in range(0, n, chunk):
+        bits = np.zeros((chunk, feature_bits.shape[-1]), np.uint16)  # one shape: the tail is padded
+        part = np.asarray(feature_bits[start:start + chunk, -1])
+        bits[:len(part)] = part
+        out[start:start + len(part)] = np.asarray(lse(target.params, bits))[:len(part)]
+    return out
+
+
+def _save(path: str, array: np.ndarray) -> None:
+    """Written under a temporary name, then renamed: a killed run never leaves a partial file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.save(path + ".tmp.npy", array)
+    os.replace(path + ".tmp.npy", path)
+
+
 def run(cfg: FeaturesConfig) -> dict:
     from tqdm import tqdm
 
@@ -112,17 +157,19 @@ def run(cfg: FeaturesConfig) -> dict:
     if bad or list(cfg.layers) != sorted(set(cfg.layers)):
         raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")
     todo = [(split, shard) for split in cfg.splits for shard in data_lib.shard_paths(cfg.data, split)
-            if not os.path.isfile(feature_path(cfg.data, cfg.layers, split, shard))]
+            if not (os.path.isfile(feature_path(cfg.data, cfg.layers, split, shard))
+                    and os.path.isfile(lse_path(cfg.data, cfg.layers, split, shard)))]
     import time
 
     start, tokens = time.perf_counter(), 0
     for split, shard in tqdm(todo, desc="target features", unit="shard"):
-        rows = data_lib.read_shard(shard)
-        feats = shard_features(target, rows, cfg.layers, cfg.batch_tokens)
         path = feature_path(cfg.data, cfg.layers, split, shard)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        np.save(path + ".tmp.npy", feats)
-        os.replace(path + ".tmp.npy", path)
+        if os.path.isfile(path):
+            feats = np.load(path, mmap_mode="r")
+        else:
+            feats = shard_features(target, data_lib.read_shard(shard), cfg.layers, cfg.batch_tokens)
+            _save(path, feats)
+        _save(lse_path(cfg.data, cfg.layers, split, shard), teacher_lse(target, feats))
         tokens += feats.shape[0]
     seconds = time.perf_counter() - start
     summary = {"layers": list(cfg.layers), "shards_done": len(todo), "tokens": tokens, "seconds": seconds,

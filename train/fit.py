@@ -173,10 +173,9 @@ def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig, feature_pick):
     import jax
     import jax.numpy as jnp
 
-    from dspark_jax.drafters import dflash, eagle3
+    from dspark_jax.drafters import dflash, eagle3, vocab
     from dspark_jax.losses import dflash_loss, dspark_loss
-    from dspark_jax.models.layers import linear
-    from dspark_jax.models.transformer import lm_head_weight
+    from dspark_jax.models.transformer import logits_from_hidden
 
     def loss_fn(trainable, frozen, target_params, batch, key):
         params = {**trainable, **frozen}
@@ -210,17 +209,26 @@ def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig, feature_pick):
             loss, m = dflash_loss(out, targets, supervised, cfg.temperature, draft_vocab, tcfg.vocab_size)
             return loss, {**m, **metrics}
         # The teacher: the target's next-token distribution at each block position, from its cached
-        # final hidden state through its own LM head (no gradient: the target is frozen).
+        # final hidden state through its own LM head (no gradient: the target is frozen). Its
+        # logits are needed over the draft ids only: the cached logsumexp over all V normalises
+        # them (at the training temperature 1; another one recomputes it over all V).
         b = tokens.shape[0]
-        hidden = jnp.take_along_axis(batch["hidden"], src.reshape(b, -1)[..., None], axis=1)  # [b, A*G, e]
-        teacher_logits = linear(hidden.astype(jnp.float32), lm_head_weight(target_params), out_dtype=jnp.float32)
-        p = jax.lax.stop_gradient(jax.nn.softmax(teacher_logits / cfg.temperature, -1)).reshape(
-            targets.shape + (tcfg.vocab_size,))  # [b, A, G, V]
-        loss, m = dspark_loss(out, targets, p, supervised, cfg.temperature, draft_vocab)
+        flat_src = src.reshape(b, -1)
+        hidden = jnp.take_along_axis(batch["hidden"], flat_src[..., None], axis=1).astype(jnp.float32)  # [b, A*G, e]
+        teacher = jax.lax.stop_gradient(vocab.draft_logits(params, target_params, hidden)) / cfg.temperature  # [b, A*G, N]
+        if cfg.temperature == 1.0:
+            lse = jnp.take_along_axis(batch["teacher_lse"], flat_src, axis=1)  # [b, A*G]
+        else:
+            lse = jax.nn.logsumexp(logits_from_hidden(target_params, hidden) / cfg.temperature, axis=-1)
+        p = jax.lax.stop_gradient(jnp.exp(teacher - lse[..., None])).reshape(targets.shape + (-1,))  # [b, A, G, N]
+        outside = None
+        if draft_vocab is not None:  # the target's mass on ids the drafter cannot emit
+            outside = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)  # [b, A, G]
+        loss, m = dspark_loss(out, targets, p, supervised, cfg.temperature, draft_vocab, target_outside=outside,
+                              vocab_size=tcfg.vocab_size)
         # Acceptance estimate per position under sampling: 1 - TV of q_k against p_k.
         q = jax.nn.softmax(logits.astype(jnp.float32) / cfg.temperature, -1)
-        p_d = p if draft_vocab is None else jnp.take(p, draft_vocab, axis=-1)
-        overlap = jnp.sum(jnp.minimum(q, p_d), -1)  # 1 - TV
+        overlap = jnp.sum(jnp.minimum(q, p), -1)  # 1 - TV
         return loss, {**m, **metrics, "accept_tv_per_pos": per_position(overlap, weight)}
 
     return loss_fn
@@ -330,8 +338,9 @@ def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: i
         tokens[i, :n], mask[i, r["prompt_len"]:n] = r["tokens"][:n], True
         bits[i, :n] = feature_bits[offsets[i % len(rows)]:offsets[i % len(rows)] + n]
     pick = [cfg.feature_layers.index(l) for l in t.dcfg.target_layer_ids]
+    lse = features_lib.teacher_lse(target, bits.reshape((B * T,) + bits.shape[2:])).reshape(B, T)
     batch = {"tokens": tokens, "mask": mask, "features": features_lib.from_bf16_bits(bits[:, :, pick]),
-             "hidden": features_lib.from_bf16_bits(bits[:, :, -1])}
+             "hidden": features_lib.from_bf16_bits(bits[:, :, -1]), "teacher_lse": lse}
     state = t.state
 
     def once():
@@ -402,7 +411,7 @@ def run(cfg: FitConfig) -> dict:
         for step in range(start, end):
             host = train_data.batch(train_data.indices(cfg.seed, step, cfg.batch_size), dcfg.target_layer_ids)
             batch = jax.device_put({"tokens": host.tokens, "mask": host.mask, "features": host.features,
-                                    "hidden": host.hidden}, batch_sharding)
+                                    "hidden": host.hidden, "teacher_lse": host.teacher_lse}, batch_sharding)
             state, metrics = step_fn(state, frozen, target_params, batch)
             if (step + 1) % cfg.log_every == 0 or step + 1 == end:
                 row = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}

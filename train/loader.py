@@ -22,6 +22,7 @@ class Batch:
     mask: np.ndarray  # [B, T] bool: supervised (assistant) tokens
     features: np.ndarray  # [B, T, m, e] bfloat16: the stored target layers
     hidden: np.ndarray  # [B, T, e] bfloat16: the target's final normed hidden state (teacher)
+    teacher_lse: np.ndarray  # [B, T] float32: logsumexp of the teacher's logits at that state
 
 
 class SequenceData:
@@ -30,7 +31,8 @@ class SequenceData:
     def __init__(self, data_dir: str, layers: Sequence[int], split: str, seq_len: int):
         self.seq_len = seq_len
         self.layers = tuple(layers)
-        self.rows: list[tuple[np.ndarray, int, np.ndarray]] = []  # (tokens, prompt_len, feature bits [T, m+1, e])
+        # (tokens, prompt_len, feature bits [T, m+1, e], teacher log-normaliser [T])
+        self.rows: list[tuple[np.ndarray, int, np.ndarray, np.ndarray]] = []
         shards = data_lib.shard_paths(data_dir, split)
         if not shards:
             raise FileNotFoundError(f"{data_dir}/{split}: no data shards (python -m train.data --out {data_dir})")
@@ -38,17 +40,19 @@ class SequenceData:
             path = features_lib.feature_path(data_dir, layers, split, shard)
             try:
                 feats = np.load(path, mmap_mode="r")
-            except FileNotFoundError:
+                lse = np.load(features_lib.lse_path(data_dir, layers, split, shard), mmap_mode="r")
+            except FileNotFoundError as err:
                 raise FileNotFoundError(
-                    f"{path}: no cached features for these layers (python -m train.features --data {data_dir} "
+                    f"{err.filename}: no cached features for these layers (python -m train.features --data {data_dir} "
                     f"--layers {' '.join(map(str, layers))})") from None
             start = 0
             for row in data_lib.read_shard(shard):
                 n = len(row["tokens"])
-                self.rows.append((row["tokens"], row["prompt_len"], feats[start:start + n]))
+                self.rows.append((row["tokens"], row["prompt_len"], feats[start:start + n], lse[start:start + n]))
                 start += n
-            if start != feats.shape[0]:
-                raise ValueError(f"{path}: {feats.shape[0]} feature rows for {start} tokens (stale cache?)")
+            if start != feats.shape[0] or start != lse.shape[0]:
+                raise ValueError(f"{path}: {feats.shape[0]} feature rows and {lse.shape[0]} log-normalisers for "
+                                 f"{start} tokens (stale cache?)")
         self.width = self.rows[0][2].shape[-1]
 
     def __len__(self) -> int:
@@ -56,7 +60,7 @@ class SequenceData:
 
     @property
     def supervised_tokens(self) -> int:
-        return sum(max(0, min(len(t), self.seq_len) - p) for t, p, _ in self.rows)
+        return sum(max(0, min(len(t), self.seq_len) - p) for t, p, _, _ in self.rows)
 
     def indices(self, seed: int, step: int, batch_size: int) -> np.ndarray:
         """Row indices of step `step`'s batch (epochs of seeded permutations, concatenated)."""
@@ -74,12 +78,14 @@ class SequenceData:
         mask = np.zeros((len(indices), T), bool)
         feats = np.zeros((len(indices), T, m, self.width), np.uint16)
         hidden = np.zeros((len(indices), T, self.width), np.uint16)
+        teacher_lse = np.zeros((len(indices), T), np.float32)
         for r, i in enumerate(indices):
-            toks, prompt_len, bits = self.rows[int(i)]
+            toks, prompt_len, bits, lse = self.rows[int(i)]
             n = min(len(toks), T)
             tokens[r, :n] = toks[:n]
             mask[r, prompt_len:n] = True
             feats[r, :n] = bits[:n, pick]
             hidden[r, :n] = bits[:n, -1]
+            teacher_lse[r, :n] = lse[:n]
         return Batch(tokens=tokens, mask=mask, features=features_lib.from_bf16_bits(feats),
-                     hidden=features_lib.from_bf16_bits(hidden))
+                     hidden=features_lib.from_bf16_bits(hidden), teacher_lse=teacher_lse)
