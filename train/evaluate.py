@@ -7,7 +7,9 @@
 tau is the mean number of tokens a verification round commits (accepted drafts + 1), over every
 round of every prompt of a dataset, through the Engine at the given temperature and block size.
 The speedup is plain generate against speculative generate on the same prompts (greedy, batch
-1 and 8, tokens per second excluding compilation; best of --repeats alternating runs). Writes
+1 and 8, tokens per second excluding compilation; best of --repeats alternating runs), on
+--speed-datasets, under each of --speed-policies ("fixed": every round verifies G; "dspark":
+the load-aware scheduler, which also decides when drafting does not pay). Writes
 `results.md` (the tables), `results.json` and `tau.png` under --out.
 """
 
@@ -38,6 +40,10 @@ class EvaluateConfig:
     max_new_tokens: int = 128
     slots: int = 8
     speed_batches: tuple[int, ...] = (1, 8)
+    speed_datasets: tuple[str, ...] = ("humaneval", "mtbench")
+    """Datasets the speedup is measured on (their prompts are loaded even when not in --datasets)."""
+    speed_policies: tuple[str, ...] = ("fixed", "dspark")
+    """Verification-length policies of the speculative side (dspark_jax.schedule)."""
     speed_new_tokens: int = 64
     repeats: int = 2
     seed: int = 0
@@ -78,19 +84,20 @@ def acceptance(engine, prompts, temperature: float, cfg: EvaluateConfig) -> dict
             "acceptance_per_position": (took.sum(0) / np.maximum(reached.sum(0), 1)).tolist()}
 
 
-def speedup(target, drafter, prompts, batch: int, cfg: EvaluateConfig) -> dict:
-    """Greedy tokens per second, plain and speculative, on the first `batch` prompts."""
+def speedup(target, drafter, prompts, batch: int, cfg: EvaluateConfig, policy: str = "fixed") -> dict:
+    """Greedy tokens per second, plain and speculative (under `policy`), on the first `batch`
+    prompts; the two alternate, best of cfg.repeats each."""
     from dspark_jax import generate
 
     rows = (prompts * batch)[:batch]
     kwargs = dict(max_new_tokens=cfg.speed_new_tokens, chat=False)
-    generate(target, rows, **kwargs)  # compile both once
-    generate(target, rows, drafter=drafter, **kwargs)
+    generate(target, rows, **kwargs)  # compile both once (a table policy also profiles its cost table)
+    generate(target, rows, drafter=drafter, policy=policy, **kwargs)
     plain = spec = 0.0
     tau = None
     for _ in range(cfg.repeats):
         plain = max(plain, generate(target, rows, **kwargs).stats["tokens_per_second"])
-        out = generate(target, rows, drafter=drafter, **kwargs)
+        out = generate(target, rows, drafter=drafter, policy=policy, **kwargs)
         spec = max(spec, out.stats["tokens_per_second"])
         tau = out.stats["tau"]
     return {"plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain if plain else float("nan"), "tau": tau}
@@ -102,10 +109,10 @@ def markdown(results: dict) -> str:
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
         lines.append(f"| {r['drafter']} | {r['dataset']} | {r['temperature']:g} | {r['block_size']} | {r['tau']:.3f} | {per} |")
     if results["speed"]:
-        lines += ["", "| drafter | dataset | batch | plain tok/s | spec tok/s | speedup | tau |",
-                  "|---|---|--:|--:|--:|--:|--:|"]
+        lines += ["", "| drafter | dataset | policy | batch | plain tok/s | spec tok/s | speedup | tau |",
+                  "|---|---|---|--:|--:|--:|--:|--:|"]
         for r in results["speed"]:
-            lines.append(f"| {r['drafter']} | {r['dataset']} | {r['batch']} | {r['plain_tok_s']:.1f} | "
+            lines.append(f"| {r['drafter']} | {r['dataset']} | {r['policy']} | {r['batch']} | {r['plain_tok_s']:.1f} | "
                          f"{r['spec_tok_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.3f} |")
     return "\n".join(lines)
 
@@ -138,19 +145,20 @@ def plot(results: dict, path: str) -> None:
 def run(cfg: EvaluateConfig) -> dict:
     from tqdm import tqdm
 
-    from dspark_jax import Engine
+    from dspark_jax import Engine, schedule
     from dspark_jax.drafters import load_drafter
     from dspark_jax.prompts import bucket
     from train import data as data_lib
 
     target = data_lib.data_target(cfg.data, cfg.model)
     drafters = {path: load_drafter(path, target) for path in cfg.drafters}
-    prompts = {name: dataset_prompts(name, cfg, target.tokenizer) for name in cfg.datasets}
+    prompts = {name: dataset_prompts(name, cfg, target.tokenizer)
+               for name in dict.fromkeys(cfg.datasets + cfg.speed_datasets)}
     results = {"acceptance": [], "speed": []}
     jobs = [(p, d, t, g) for p in drafters for g in cfg.block_sizes for d in cfg.datasets for t in cfg.temperatures]
     # One engine per (drafter, G), sized for the longest prompt of any dataset: temperatures and
     # datasets are data for its compiled programs, so the whole table compiles 2 x drafters engines.
-    longest = max(len(p) for rows in prompts.values() for p in rows)
+    longest = max(len(p) for name in cfg.datasets for p in prompts[name])
     engines: dict = {}
     for path, dataset, temperature, g in tqdm(jobs, desc="acceptance", unit="run"):
         if (path, g) not in engines:
@@ -162,10 +170,15 @@ def run(cfg: EvaluateConfig) -> dict:
         results["acceptance"].append({"drafter": label(path), "dataset": dataset, "temperature": temperature,
                                       "block_size": g, **r})
     for path in tqdm(list(drafters), desc="speedup", unit="drafter"):
-        for dataset in cfg.datasets:
-            for batch in cfg.speed_batches:
-                r = speedup(target, drafters[path], prompts[dataset], batch, cfg)
-                results["speed"].append({"drafter": label(path), "dataset": dataset, "batch": batch, **r})
+        # The load-aware policies read the confidence head: a drafter without one runs the others.
+        policies = [p for p in cfg.speed_policies
+                    if drafters[path].config.confidence_head or p not in schedule.TABLE_POLICIES]
+        for dataset in cfg.speed_datasets:
+            for policy in policies:
+                for batch in cfg.speed_batches:
+                    r = speedup(target, drafters[path], prompts[dataset], batch, cfg, policy)
+                    results["speed"].append({"drafter": label(path), "dataset": dataset, "policy": policy,
+                                             "batch": batch, **r})
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
