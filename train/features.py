@@ -26,6 +26,7 @@ Resumable like train.data: a shard whose feature (and log-normaliser) file exist
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Sequence
@@ -118,10 +119,9 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
     return np.concatenate(out, axis=0)
 
 
-def teacher_lse(target, feature_bits: np.ndarray, chunk: int = 2048) -> np.ndarray:
-    """[tokens] float32: logsumexp of the target's LM-head logits at each token's cached final
-    hidden state (the last of the m + 1 stored vectors, in its stored bf16 precision, as the
-    training step reads it)."""
+@functools.cache
+def _chunk_lse():
+    """One jitted program for every shard (a function made per call would compile per call)."""
     import jax
     import jax.numpy as jnp
 
@@ -132,6 +132,14 @@ def teacher_lse(target, feature_bits: np.ndarray, chunk: int = 2048) -> np.ndarr
         hidden = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)  # [chunk, e]
         return jax.nn.logsumexp(logits_from_hidden(params, hidden), axis=-1)  # [chunk]
 
+    return lse
+
+
+def teacher_lse(target, feature_bits: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """[tokens] float32: logsumexp of the target's LM-head logits at each token's cached final
+    hidden state (the last of the m + 1 stored vectors, in its stored bf16 precision, as the
+    training step reads it)."""
+    lse = _chunk_lse()
     n = feature_bits.shape[0]
     out = np.empty((n,), np.float32)
     for start in range(0, n, chunk):
