@@ -322,3 +322,26 @@ def test_sampled_draft_is_consistent():
         assert any(not np.array_equal(tok_sets[0], t) for t in tok_sets[1:])  # the key matters
         if top_k:
             assert np.all((np.asarray(out.probs) > 0).sum(-1) <= 5)
+
+
+@pytest.mark.parametrize("tcfg", [TCFG, TCFG_BQ], ids=["llama", "qwen3"])
+def test_copy_target_layers_takes_the_last_layers(tcfg):
+    """The drafter's layers become the target's last num_layers layers (stacked or per-layer target
+    params alike), final_norm the target's; everything else keeps its initial value."""
+    from dspark_jax.drafters.config import DrafterConfigError
+    from dspark_jax.models.transformer import unstack_layers
+
+    dcfg = _dcfg()
+    tp = _random_target(jax.random.PRNGKey(3), tcfg)
+    dp = dflash.init_params(jax.random.PRNGKey(4), tcfg, dcfg)
+    for source in (tp, unstack_layers(tp)):
+        out = dflash.copy_target_layers(dp, source, dcfg)
+        for name, value in out["layers"].items():
+            want = np.asarray(tp["layers"][name])[tcfg.num_layers - dcfg.num_layers:]  # tp is stacked
+            np.testing.assert_array_equal(np.asarray(value), want, err_msg=name)
+            assert value.dtype == dp["layers"][name].dtype
+        np.testing.assert_array_equal(np.asarray(out["final_norm"]), np.asarray(tp["final_norm"]))
+        np.testing.assert_array_equal(np.asarray(out["w_c"]), np.asarray(dp["w_c"]))
+    too_deep = _dcfg(num_layers=tcfg.num_layers + 1)
+    with pytest.raises(DrafterConfigError, match="cannot copy"):
+        dflash.copy_target_layers(dflash.init_params(jax.random.PRNGKey(4), tcfg, too_deep), tp, too_deep)

@@ -68,6 +68,8 @@ class FitConfig:
     log_every: int = 10
     mesh: str = "data=1"
     distributed: bool = False
+    init_layers: str = "random"
+    """random | target: DSpark / DFlash layers start as copies of the target's last layers."""
     stop_after: int | None = None
     """Run at most this many steps in this invocation (resume later with the same command)."""
     export_dtype: str = "bfloat16"
@@ -113,6 +115,11 @@ def check_config(cfg: FitConfig) -> None:
                  "log_every"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.init_layers not in ("random", "target"):
+        raise SystemExit(f"--init-layers must be random or target, got {cfg.init_layers!r}")
+    if cfg.init_layers == "target" and cfg.drafter == "eagle3":
+        raise SystemExit("--init-layers target is for dspark / dflash (an EAGLE-3 layer reads 2e inputs, "
+                         "so no target layer has its shape)")
     if not cfg.lr > 0 or cfg.temperature <= 0:
         raise SystemExit("--lr and --temperature must be > 0")
 
@@ -282,6 +289,8 @@ def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
     dcfg = drafter_config(cfg, tcfg)
     feature_pick = tuple(cfg.feature_layers.index(l) for l in dcfg.target_layer_ids)
     params = drafter_module(cfg.drafter).init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
+    if cfg.init_layers == "target":
+        params = drafter_module(cfg.drafter).copy_target_layers(params, target.params, dcfg)
     if draft_vocab is not None:
         params["draft_vocab"] = jnp.asarray(draft_vocab, jnp.int32)
     params = sharding.shard_tree(params, sharding.drafter_param_axes(params, dcfg, tcfg), mesh, rules)

@@ -95,6 +95,30 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
     return params
 
 
+def copy_target_layers(params: dict, target_params: dict, dcfg: DrafterConfig) -> dict:
+    """`params` with the drafter layers set to copies of the target's last num_layers layers and
+    final_norm to the target's: a start whose output already lands where the frozen LM head reads
+    (random layers spend the first part of a small run finding that). The context projection
+    w_c, mask embedding and heads stay as initialised. Accepts stacked or per-layer target params."""
+    layers = target_params["layers"]
+    if isinstance(layers, (list, tuple)):
+        count = len(layers)
+        pick = lambda name: jnp.stack([layers[i][name] for i in range(count - dcfg.num_layers, count)])
+    else:
+        count = jax.tree.leaves(layers)[0].shape[0]
+        pick = lambda name: layers[name][count - dcfg.num_layers:]
+    if dcfg.num_layers > count:
+        raise DrafterConfigError(f"cannot copy {dcfg.num_layers} layers from a target with {count}")
+    copied = {}
+    for name, value in params["layers"].items():
+        source = pick(name)
+        if source.shape != value.shape:
+            raise DrafterConfigError(f"target layer weight {name} is {source.shape}, the drafter's {value.shape}")
+        copied[name] = source.astype(value.dtype)
+    final_norm = target_params["final_norm"].astype(params["final_norm"].dtype)
+    return {**params, "layers": copied, "final_norm": final_norm}
+
+
 def init_state(params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, batch: int, cache_len: int) -> DFlashState:
     shape = (dcfg.num_layers, batch, tcfg.num_kv_heads, cache_len, tcfg.head_dim)
     dtype = params["w_c"].dtype
