@@ -2,4 +2,4 @@
 from train.fit import FitConfig
 
 config = FitConfig(drafter="dflash", out="runs/dflash", num_layers=1, head_type="none", head_rank=0,
-                   draft_vocab_size=8192, batch_size=8, seq_len=384, anchors=32, steps=512, warmup_steps=24, lr=6e-4)
+                   draft_vocab_size=8192, batch_size=16, seq_len=384, anchors=32, steps=500, warmup_steps=25, lr=6e-4)

@@ -3,4 +3,4 @@ draft vocabulary of 8192 ids. The same backbone, vocabulary, data and token budg
 from train.fit import FitConfig
 
 config = FitConfig(drafter="dspark", out="runs/dspark", num_layers=1, head_type="markov", head_rank=128,
-                   draft_vocab_size=8192, batch_size=8, seq_len=384, anchors=32, steps=512, warmup_steps=24, lr=6e-4)
+                   draft_vocab_size=8192, batch_size=16, seq_len=384, anchors=32, steps=500, warmup_steps=25, lr=6e-4)
