@@ -69,7 +69,8 @@ class FitConfig:
     mesh: str = "data=1"
     distributed: bool = False
     init_layers: str = "random"
-    """random | target: DSpark / DFlash layers start as copies of the target's last layers."""
+    """random | target: DSpark / DFlash layers start as copies of the target's last layers
+    (trained worse than random on smollm2-135m: train/results/2026-12-02-init-target)."""
     stop_after: int | None = None
     """Run at most this many steps in this invocation (resume later with the same command)."""
     export_dtype: str = "bfloat16"

@@ -97,9 +97,10 @@ def init_params(key: jax.Array, tcfg: ModelConfig, dcfg: DrafterConfig) -> dict:
 
 def copy_target_layers(params: dict, target_params: dict, dcfg: DrafterConfig) -> dict:
     """`params` with the drafter layers set to copies of the target's last num_layers layers and
-    final_norm to the target's: a start whose output already lands where the frozen LM head reads
-    (random layers spend the first part of a small run finding that). The context projection
-    w_c, mask embedding and heads stay as initialised. Accepts stacked or per-layer target params."""
+    final_norm to the target's, so the output starts where the frozen LM head reads. Measured on
+    smollm2-135m it trained worse than random layers (train/results/2026-12-02-init-target), so
+    it is an option, not the default. The context projection w_c, mask embedding and heads stay
+    as initialised. Accepts stacked or per-layer target params."""
     layers = target_params["layers"]
     if isinstance(layers, (list, tuple)):
         count = len(layers)
