@@ -289,9 +289,10 @@ def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
     tcfg = target.config
     dcfg = drafter_config(cfg, tcfg)
     feature_pick = tuple(cfg.feature_layers.index(l) for l in dcfg.target_layer_ids)
-    params = drafter_module(cfg.drafter).init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
+    module = drafter_module(cfg.drafter)
+    params = module.init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
     if cfg.init_layers == "target":
-        params = drafter_module(cfg.drafter).copy_target_layers(params, target.params, dcfg)
+        params = module.copy_target_layers(params, target.params, dcfg)
     if draft_vocab is not None:
         params["draft_vocab"] = jnp.asarray(draft_vocab, jnp.int32)
     params = sharding.shard_tree(params, sharding.drafter_param_axes(params, dcfg, tcfg), mesh, rules)

@@ -38,7 +38,7 @@ from dspark_jax.drafters import heads, vocab
 from dspark_jax.drafters.config import DrafterConfig, DrafterConfigError, DraftOutput
 from dspark_jax.models.config import ModelConfig
 from dspark_jax.models.layers import linear, rms_norm
-from dspark_jax.models.transformer import embed, mlp_residual, project_qkv, target_rope
+from dspark_jax.models.transformer import embed, mlp_residual, project_qkv, target_rope, unstack_layers
 from dspark_jax.sampling import RowSampling, sample_with_probs
 
 
@@ -101,18 +101,13 @@ def copy_target_layers(params: dict, target_params: dict, dcfg: DrafterConfig) -
     smollm2-135m it trained worse than random layers (train/results/2026-12-02-init-target), so
     it is an option, not the default. The context projection w_c, mask embedding and heads stay
     as initialised. Accepts stacked or per-layer target params."""
-    layers = target_params["layers"]
-    if isinstance(layers, (list, tuple)):
-        count = len(layers)
-        pick = lambda name: jnp.stack([layers[i][name] for i in range(count - dcfg.num_layers, count)])
-    else:
-        count = jax.tree.leaves(layers)[0].shape[0]
-        pick = lambda name: layers[name][count - dcfg.num_layers:]
-    if dcfg.num_layers > count:
-        raise DrafterConfigError(f"cannot copy {dcfg.num_layers} layers from a target with {count}")
+    layers = unstack_layers(target_params)["layers"]  # per-layer dicts, whichever layout came in
+    if dcfg.num_layers > len(layers):
+        raise DrafterConfigError(f"cannot copy {dcfg.num_layers} layers from a target with {len(layers)}")
+    last = layers[len(layers) - dcfg.num_layers:]
     copied = {}
     for name, value in params["layers"].items():
-        source = pick(name)
+        source = jnp.stack([layer[name] for layer in last])
         if source.shape != value.shape:
             raise DrafterConfigError(f"target layer weight {name} is {source.shape}, the drafter's {value.shape}")
         copied[name] = source.astype(value.dtype)
