@@ -101,6 +101,9 @@ class DecodeSettings:
     # uncalibrated (all 1). Fixed per drafter checkpoint, so static.
     confidence_temperatures: tuple[float, ...] | None = None
     policy: str = "fixed"  # verification-length policy (dspark_jax.schedule.POLICIES)
+    # A fresh engine's gate average [G] (schedule.gate_prior): the drafter's measured per-position
+    # acceptance (engine.confidence_prior); None: ones (drafting looks free until measured).
+    gate_start: tuple[float, ...] | None = None
 
     @property
     def block_size(self) -> int:
@@ -140,7 +143,8 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         seed_key=jnp.zeros((n, 2), jnp.uint32), drafted=zeros, accepted=zeros,
         forwards=jnp.zeros((), jnp.int32), row_rounds=jnp.zeros((), jnp.int32),
         committed=jnp.zeros((), jnp.int32), tried=jnp.zeros((g,), jnp.int32), accepted_at=jnp.zeros((g,), jnp.int32),
-        lagged_confidences=jnp.ones((n, 2, g), jnp.float32), gate_confidences=jnp.ones((n, g), jnp.float32),
+        lagged_confidences=jnp.ones((n, 2, g), jnp.float32),
+        gate_confidences=jnp.broadcast_to(gate_start(s), (n, g)),
         gate_rounds=zeros,
         probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
         next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32))
@@ -232,7 +236,8 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
         accepted=set_(state.accepted, 0),
-        gate_confidences=set_(state.gate_confidences, sched.gate_prior(state.gate_confidences, state.gate_rounds)),
+        gate_confidences=set_(state.gate_confidences,
+                              sched.gate_prior(state.gate_confidences, state.gate_rounds, gate_start(s))),
         gate_rounds=set_(state.gate_rounds, 0),
         forwards=state.forwards + 1)
 
@@ -465,6 +470,11 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     return state, jnp.pad(emitted, pad), jnp.pad(keep, pad), trace, load
 
 
+def gate_start(s: DecodeSettings) -> jax.Array:
+    """[G] a fresh engine's gate average (s.gate_start, ones when none is known)."""
+    return jnp.asarray(s.gate_start or (1.0,) * s.block_size, jnp.float32)
+
+
 def confidence_temperatures(s: DecodeSettings, g: int) -> jax.Array:
     """[G] the STS temperatures of the drafter's confidence head (all 1 when uncalibrated)."""
     return jnp.asarray(s.confidence_temperatures or (1.0,) * g, jnp.float32)
@@ -550,9 +560,13 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         # kinds of round run in two inner loops, plain rounds while the gate is closed and then one
         # drafted round: a lax.cond between them made XLA copy the caches every round, a loop
         # updates them in place.
+        floor = sched.probe_floor(sp, b)  # the shortest probe gap at this load
+
         def drafts(carry, probes=True, measured_only=False):
             i, st = carry[:2]
-            due = probes & (st.forwards >= st.next_probe)
+            # next_probe counts from the last drafted round; the floor also holds for a fresh
+            # engine's first probe (its last drafted round is "forward 0").
+            due = probes & (st.forwards >= jnp.maximum(st.next_probe, floor))
             live, caps = ~st.done, round_caps(st, s, rounds - i)
             if measured_only:  # rows whose average holds no drafted round yet carry no evidence
                 live = live & (st.gate_rounds > 0)
@@ -571,7 +585,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
             carry = jax.lax.while_loop(lambda c: going(c) & (c[0] == start), functools.partial(body, False),
                                        (start, st, *carry[2:]))
             st, ran = carry[1], carry[0] > start
-            gap = jnp.where(ran, sched.next_probe_gap(st.probe_gap, paid), st.probe_gap)
+            gap = jnp.where(ran, sched.next_probe_gap(st.probe_gap, paid, floor), st.probe_gap)
             st = dataclasses.replace(st, probe_gap=gap, next_probe=jnp.where(ran, st.forwards + gap, st.next_probe),
                                      gate_rounds=jnp.where(ran, st.gate_rounds, averaged))
             return (carry[0], st, *carry[2:])

@@ -86,6 +86,20 @@ def confidence_temperatures(drafter, dconfig) -> tuple[float, ...] | None:
     return tuple((temps + [temps[-1]] * dconfig.block_size)[:dconfig.block_size])
 
 
+def confidence_prior(drafter, dconfig) -> tuple[float, ...] | None:
+    """A fresh engine's gate average [G]: the per-position acceptance c_j = a_j / a_{j-1} from the
+    survival rates a_j that train.calibrate measured on the validation split (drafter.json
+    "calibration"); positions past the measured ones reuse the last. None (ones) when unknown:
+    a drafter without calibration drafts its first rounds whatever the load, as before."""
+    rates = (getattr(drafter, "calibration", None) or {}).get("survival_rates")
+    if not rates or dconfig is None or dconfig.block_size == 0:
+        return None
+    rates = np.clip(np.asarray(rates, np.float64), 0.0, 1.0)
+    before = np.concatenate([[1.0], rates[:-1]])
+    accept = np.where(before > 0, rates / np.maximum(before, 1e-12), 0.0).clip(0.0, 1.0).tolist()
+    return tuple((accept + [accept[-1]] * dconfig.block_size)[:dconfig.block_size])
+
+
 def row_bucket_sizes(slots: int, rows: Sequence[int] | None = None, multiple: int = 1) -> tuple[int, ...]:
     """Row buckets of the step program (ascending, the last = slots): a step runs over the
     smallest bucket that holds every live slot, so a server with 16 slots and one request steps
@@ -146,7 +160,8 @@ class Engine:
         self.policy = policy
         self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
                                        verifier=verifier, policy=policy,
-                                       confidence_temperatures=confidence_temperatures(drafter, dconfig))
+                                       confidence_temperatures=confidence_temperatures(drafter, dconfig),
+                                       gate_start=confidence_prior(drafter, dconfig))
         self.cost_table: sched.CostTable | None = None  # the full engine's; smaller buckets in .row_buckets
         self._bucket_tables: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (SPS(B), plain rate)
         self._schedule = sched.ScheduleParams(

@@ -60,12 +60,16 @@ DEFAULT_THRESHOLD = 0.5
 # The dspark policies skip the drafter in rounds where recent confidences say no draft token would
 # be admitted; a probe round drafts anyway to measure them again, PROBE_EVERY rounds after a round
 # where drafting paid, the gap doubling (up to MAX_PROBE_EVERY) after each probe that found it does
-# not: a probe costs about what a drafted round does, which at high load is several plain rounds.
+# not. A probe verifies next to nothing, so it costs the drafter's forward on top of a plain round:
+# at high load that is a large part of one (measured at 16 slots on CPU: 0.43 plain rounds), so the
+# gap is never shorter than what keeps the probes under PROBE_BUDGET of the rounds (probe_floor).
 # The confidences the gate reads are averaged over a slot's drafted rounds (gate_average: one low
-# round does not close it); a new request starts from the other slots' (gate_prior), and its first
-# drafted round and a probe's replace the average.
+# round does not close it); a new request starts from the other slots' (gate_prior), a fresh
+# engine from the drafter's measured acceptance (calibration), and a request's first drafted
+# round and a probe's replace the average.
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 256
+PROBE_BUDGET = 0.01
 GATE_DECAY = 0.75
 
 
@@ -278,22 +282,36 @@ def gate_average(average: jax.Array, rounds: jax.Array, confidences: jax.Array, 
     return jnp.where(live[:, None], (1.0 - weight) * average + weight * confidences, average)
 
 
-def gate_prior(average: jax.Array, rounds: jax.Array) -> jax.Array:
+def gate_prior(average: jax.Array, rounds: jax.Array, start: jax.Array | float = 1.0) -> jax.Array:
     """[G] the start value of a new request's gate average: the mean over slots whose average
-    holds measurements (`rounds` [R] > 0; a freed slot keeps its last request's), else ones. A
-    request starting from ones drafts its first round whatever the load; from the workload's
-    recent confidences it waits for the next probe where drafting has not been paying. Its own
-    first drafted round replaces the prior (the slot starts at rounds 0)."""
+    holds measurements (`rounds` [R] > 0; a freed slot keeps its last request's), else `start`
+    [G] (a fresh engine's: the drafter's measured acceptance, or ones). A request starting from
+    ones drafts its first round whatever the load; from the workload's recent confidences it
+    waits for the next probe where drafting has not been paying. Its own first drafted round
+    replaces the prior (the slot starts at rounds 0)."""
     measured = (rounds > 0)[:, None]
     count = jnp.sum(measured)
     mean = jnp.sum(jnp.where(measured, average, 0.0), axis=0) / jnp.maximum(count, 1)
-    return jnp.where(count > 0, mean, 1.0)
+    return jnp.where(count > 0, mean, jnp.broadcast_to(jnp.asarray(start, jnp.float32), mean.shape))
 
 
-def next_probe_gap(gap: jax.Array, paid: jax.Array) -> jax.Array:
-    """[] int32 rounds until the next probe after a drafted round: PROBE_EVERY when drafting paid
-    (the gate was open), else twice the last gap, at most MAX_PROBE_EVERY."""
-    return jnp.where(paid, PROBE_EVERY, jnp.minimum(2 * gap, MAX_PROBE_EVERY)).astype(jnp.int32)
+def probe_floor(params: ScheduleParams, rows: int) -> jax.Array:
+    """[] int32 the shortest gap between probes at this load: a probe that verifies nothing costs
+    1 / SPS(rows) against a plain round's 1 / plain_sps, and the gap is long enough that this
+    extra stays under PROBE_BUDGET of the plain rounds between probes (PROBE_EVERY where the
+    drafter is nearly free, MAX_PROBE_EVERY at most). Data, like the table: no recompile."""
+    drafted = sps_at(params.sps_table, jnp.asarray(rows, jnp.int32))
+    extra = jnp.where(drafted > 0, params.plain_sps / jnp.maximum(drafted, 1e-9) - 1.0, 0.0)  # plain rounds
+    gap = jnp.ceil(jnp.maximum(extra, 0.0) / PROBE_BUDGET)
+    return jnp.clip(gap, PROBE_EVERY, MAX_PROBE_EVERY).astype(jnp.int32)
+
+
+def next_probe_gap(gap: jax.Array, paid: jax.Array, floor: jax.Array | int = PROBE_EVERY) -> jax.Array:
+    """[] int32 rounds until the next probe after a drafted round: `floor` (probe_floor) when
+    drafting paid (the gate was open), else twice the last gap, at least `floor` and at most
+    MAX_PROBE_EVERY."""
+    doubled = jnp.minimum(jnp.maximum(2 * gap, floor), MAX_PROBE_EVERY)
+    return jnp.where(paid, floor, doubled).astype(jnp.int32)
 
 
 def cap_confidences(confidences: jax.Array, caps: jax.Array) -> jax.Array:

@@ -192,8 +192,27 @@ def test_drafting_pays_weighs_the_drafter_cost():
     gaps = [int(sched.next_probe_gap(jnp.int32(g), jnp.bool_(paid)))
             for g, paid in [(16, True), (64, True), (16, False), (64, False), (sched.MAX_PROBE_EVERY, False)]]
     assert gaps == [sched.PROBE_EVERY, sched.PROBE_EVERY, 32, 128, sched.MAX_PROBE_EVERY]
+    # ...never shorter than the load's floor (what keeps the probes' extra cost under PROBE_BUDGET).
+    gaps = [int(sched.next_probe_gap(jnp.int32(g), jnp.bool_(paid), jnp.int32(43)))
+            for g, paid in [(16, True), (16, False), (32, False), (200, False)]]
+    assert gaps == [43, 43, 64, sched.MAX_PROBE_EVERY]
     # After drafting, level 0 is priced with the drafter's cost (9, not plain_sps): level 1 pays.
     assert np.asarray(sched.level_schedule(conf, table)).tolist() == [2, 2]
+
+
+def test_probe_floor_bounds_what_probes_cost():
+    # A drafted round that verifies nothing runs at SPS(R) = table[R]; against the plain rate its
+    # extra is plain / SPS(R) - 1 plain rounds, spread over at least extra / PROBE_BUDGET rounds.
+    table = jnp.asarray([0, 0, 10.0, 9, 8, 7, 6], jnp.float32)
+
+    def floor(plain, rows=2):
+        params = sched.ScheduleParams(table, jnp.float32(0.5), jnp.int32(2), jnp.float32(plain))
+        return int(sched.probe_floor(params, rows))
+
+    assert floor(14.25) == int(np.ceil((14.25 / 10.0 - 1.0) / sched.PROBE_BUDGET))  # 42.5 -> 43 at 1 %
+    assert floor(10.0) == floor(10.05) == sched.PROBE_EVERY  # a nearly free drafter: the old gap
+    assert floor(1000.0) == sched.MAX_PROBE_EVERY
+    assert floor(10.0, rows=0) == sched.PROBE_EVERY  # no drafted rate known (0): no floor
 
 
 def test_gate_average_replaces_its_start_then_decays():
@@ -400,30 +419,65 @@ def test_engine_lengths_follow_the_policy_and_table(tiny):
     assert all(lengths == [2] * 3 for lengths in out.round_lengths[:3])
 
 
-def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny):
+@pytest.mark.parametrize("plain", [1.0, 1.5])
+def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny, plain):
     """Where drafting does not pay, a dspark round is a plain one (write-first forward, no draft)
     except the probes: PROBE_EVERY rounds into a new engine, then after a gap that doubles with
-    each probe that found drafting still does not pay (up to MAX_PROBE_EVERY)."""
+    each probe that found drafting still does not pay (up to MAX_PROBE_EVERY); where a drafted
+    round costs more than a plain one (plain rate 1.5 against SPS(R) = 1), no gap is shorter than
+    probe_floor's (50 rounds)."""
     from dspark_jax import Engine, SamplingParams
 
     target, drafter, _ = tiny
     prompts = _prompts(3, seed=4)
-    steep = np.asarray([1.0] * 5 + [0.01] * 12, np.float32)  # any draft token costs far more than it gains
-    engine = Engine(target, drafter, slots=4, max_len=256, policy="dspark", sps_table=steep)
-    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=200, ignore_eos=True))
+    steep = [1.0] * 5 + [0.01] * 12  # any draft token costs far more than it gains
+    table = sched.CostTable(slots=4, block_size=3, widths=[], steps_per_second=[], table=steep,
+                            plain_steps_per_second=plain)
+    engine = Engine(target, drafter, slots=4, max_len=256, policy="dspark", sps_table=table,
+                    row_buckets=[4])
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=230, ignore_eos=True))
                                                     for i, p in enumerate(prompts)])
     first = int(state.forwards)  # the forward count of the first round
     drafted = []
-    for _ in range(3):
+    for _ in range(4):
         state, out = engine.step(state, rounds=64)
         drafted += [bool(np.any(z)) for z in out.round_confidence_logits[0]]  # the drafter ran in that round
-    expected, r, gap = [], sched.PROBE_EVERY - first, sched.PROBE_EVERY
+    floor = max(sched.PROBE_EVERY, int(np.ceil((plain - 1.0) / sched.PROBE_BUDGET - 1e-6)))
+    expected, r, gap = [], max(sched.PROBE_EVERY, floor) - first, sched.PROBE_EVERY
     while r < len(drafted):
         expected.append(r)
-        gap = min(2 * gap, sched.MAX_PROBE_EVERY)
+        gap = min(max(2 * gap, floor), sched.MAX_PROBE_EVERY)
         r += 1 + gap
-    assert len(drafted) > 100 and len(expected) >= 3
+    assert len(drafted) > 200 and len(expected) >= 3
     assert [r for r, d in enumerate(drafted) if d] == expected  # even confidences of one do not pay
+
+
+def test_a_fresh_engine_starts_its_gate_from_the_measured_acceptance(tiny):
+    """A drafter whose calibration measured survival rates a_j starts a fresh engine's gate from
+    c_j = a_j / a_{j-1} (engine.confidence_prior), not from ones: where those do not pay, its
+    first round is plain and the first drafted round is the probe PROBE_EVERY rounds in."""
+    import dataclasses
+
+    from dspark_jax import Engine, SamplingParams
+    from dspark_jax.engine import confidence_prior
+
+    target, drafter, _ = tiny
+    calibrated = dataclasses.replace(drafter, calibration={"temperatures": [1e6] * 3,
+                                                           "survival_rates": [0.5, 0.25, 0.125]})
+    assert confidence_prior(calibrated, calibrated.config) == (0.5, 0.5, 0.5)
+    assert confidence_prior(drafter, drafter.config) is None  # no rates measured: ones, as before
+    # 4 slots: a level of confidences one pays (6 tokens at 0.6 > 3 at 1), of 0.5s none does.
+    table = np.asarray([1.0] * 5 + [0.6] * 4 + [0.1] * 8, np.float32)
+    engine = Engine(target, calibrated, slots=4, max_len=256, policy="dspark", sps_table=table, row_buckets=[4])
+    state = engine.new_state()
+    np.testing.assert_allclose(np.asarray(state.gate_confidences), 0.5)
+    state = engine.insert_many(state, [(i, p, SamplingParams(max_new_tokens=100, ignore_eos=True))
+                                       for i, p in enumerate(_prompts(3, seed=4))])
+    np.testing.assert_allclose(np.asarray(state.gate_confidences), 0.5)  # nothing measured: the prior
+    first = int(state.forwards)
+    state, out = engine.step(state, rounds=40)
+    drafted = [bool(np.any(z)) for z in out.round_confidence_logits[0]]
+    assert [r for r, d in enumerate(drafted) if d] == [sched.PROBE_EVERY - first]
 
 
 def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):

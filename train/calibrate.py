@@ -144,6 +144,8 @@ def run(cfg: CalibrateConfig) -> dict:
     report["serving_temperature"] = cfg.temperature
     drafter.calibration = {**(saved or {}), "temperatures": report["temperatures"],
                            "serving_temperature": cfg.temperature, "rounds": report["rounds"],
+                           # The engine's gate starts a fresh engine from these (engine.confidence_prior).
+                           "survival_rates": [m["rate"] for m in report["before"]],
                            "ece_before": [m["ece"] for m in report["before"]],
                            "ece_after": [m["ece"] for m in report["after"]]}
     save_drafter(drafter, cfg.drafter)
