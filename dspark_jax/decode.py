@@ -78,7 +78,7 @@ class SlotState:
     # An exponential average [slots, G] of each slot's calibrated confidences over the rounds it
     # drafted (sched.gate_average): the dspark policies' drafting gate reads it, so one unlucky
     # round does not switch drafting off. A new request starts from the measured slots' mean
-    # (sched.gate_prior; ones on a fresh engine).
+    # (sched.gate_prior; on a fresh engine DecodeSettings.gate_start).
     gate_confidences: jax.Array
     gate_rounds: jax.Array  # [slots] int32 drafted rounds in that average (0: the next one replaces it)
     probe_gap: jax.Array  # [] int32 rounds from the last drafted round to the next probe (sched.next_probe_gap)

@@ -481,7 +481,8 @@ def test_a_fresh_engine_starts_its_gate_from_the_measured_acceptance(tiny):
 
 
 def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):
-    """A fresh engine's gate starts from ones, which open it; that first round measures the rows
+    """A fresh engine's gate starts from ones (a drafter with no measured survival rates), which
+    open it; that first round measures the rows
     like a probe, so where their measured confidences do not pay, the probe gap doubles from it
     (rounds 0, 33, 98) instead of restarting at PROBE_EVERY as after a round that paid."""
     import dataclasses
