@@ -179,6 +179,8 @@ class Engine:
         self.attention_spans = attention_spans(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
         self._programs: dict = {}
+        self._steps: dict = {}  # (rounds, span, policy, rows) -> the step executable, looked up every step
+        self._state_spec = None  # the slot state's shapes, traced once (_state_shape)
         self._verified_drafts = True  # the last step verified a draft token (span_for's plan)
         # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
         self._params = target.params
@@ -339,7 +341,11 @@ class Engine:
         return self._programs[key]
 
     def _state_shape(self):
-        return jax.eval_shape(functools.partial(decode.new_state, s=self.settings), *self.weights)
+        """The slot state's shapes and dtypes, traced once: tracing new_state at every step cost
+        more host time than a plain 16-row step's whole dispatch."""
+        if self._state_spec is None:
+            self._state_spec = jax.eval_shape(functools.partial(decode.new_state, s=self.settings), *self.weights)
+        return self._state_spec
 
     def _run(self, name: str, fn: Callable, args: tuple, donate: tuple[int, ...] = ()):
         return self._program(name, fn, args, donate)(*self.weights, *args)
@@ -358,9 +364,12 @@ class Engine:
 
     def _step_program(self, rounds: int, span: int, policy: str, rows: int | None = None):
         rows = self.slots if rows is None else rows
-        args = (self._state_shape(), self._schedule_for(rows))
-        return self._program(f"step{rounds}@{span}x{rows}:{policy}", self._step_fn(rounds, span, policy, rows),
-                             args, (0,))
+        key = (int(rounds), int(span), policy, int(rows))
+        if key not in self._steps:  # a row bucket's table has one shape, so the key decides the program
+            args = (self._state_shape(), self._schedule_for(rows))
+            self._steps[key] = self._program(f"step{rounds}@{span}x{rows}:{policy}",
+                                             self._step_fn(rounds, span, policy, rows), args, (0,))
+        return self._steps[key]
 
     def rows_for(self, state: SlotState) -> int:
         """The smallest row bucket that holds every slot a step must visit (live, or holding a
