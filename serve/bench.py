@@ -259,7 +259,7 @@ def launch(policy: str, args) -> tuple[subprocess.Popen, str, str]:
     port, metrics_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "serve", "--model", args.model, "--drafter", args.drafter, "--policy", policy,
            "--slots", str(args.slots), "--max-len", str(args.max_len), "--port", str(port),
-           "--metrics-port", str(metrics_port), "--queue-size", str(args.queue_size)]
+           "--metrics-port", str(metrics_port), "--queue-size", str(args.queue_size), "--rounds", str(args.rounds)]
     if args.sps_table:
         cmd += ["--sps-table", args.sps_table]
     log = open(Path(args.out) / f"server-{policy}.log", "w")
@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--queue-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="decoding rounds per engine step of the launched servers (tokens stream once per step)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 8])
     parser.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (requests/s)")
     parser.add_argument("--requests", type=int, default=32, help="requests per load level")
