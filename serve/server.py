@@ -230,22 +230,45 @@ class Server:
             self.metrics_server.shutdown()
 
 
+class StartupInterrupted(BaseException):  # not Exception: no library handler may swallow it
+    """SIGTERM / SIGINT before the server was serving: nothing was accepted, so it stops at once."""
+
+
 def serve(config: ServeConfig) -> int:
-    """Run the server until SIGTERM / SIGINT, then drain; returns the exit status."""
+    """Run the server until SIGTERM / SIGINT, then drain; returns the exit status.
+
+    A signal during start-up (loading, minutes of compiling) stops it there instead of after the
+    warmup: every request so far was refused as UNAVAILABLE, so there is nothing to drain, and an
+    orchestrator's SIGKILL deadline (Kubernetes: 30 s) is not reached."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax"):  # checkpoint-reading and backend-probing chatter
         logging.getLogger(noisy).setLevel(logging.WARNING)
     check_config(config)
-    stop = threading.Event()
+    stop, started = threading.Event(), threading.Event()
+
+    def on_signal(*_):
+        stop.set()
+        if not started.is_set():
+            raise StartupInterrupted  # unwinds the start-up in the main thread (between compiles)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     t0 = time.perf_counter()
-    target, drafter_name, engine = build_engine(config)
-    server = Server(engine, target.tokenizer, port=config.port, host=config.host, queue_size=config.queue_size,
-                    rounds=config.rounds, target_name=config.model, drafter_name=drafter_name,
-                    metrics_port=config.metrics_port, max_message_bytes=config.max_message_mb << 20)
-    log.info("listening on %s:%d (health NOT_SERVING while compiling)", config.host, server.port)
-    warm = server.start()
+    server = None
+    try:
+        target, drafter_name, engine = build_engine(config)
+        server = Server(engine, target.tokenizer, port=config.port, host=config.host, queue_size=config.queue_size,
+                        rounds=config.rounds, target_name=config.model, drafter_name=drafter_name,
+                        metrics_port=config.metrics_port, max_message_bytes=config.max_message_mb << 20)
+        log.info("listening on %s:%d (health NOT_SERVING while compiling)", config.host, server.port)
+        warm = server.start()
+        started.set()
+    except StartupInterrupted:
+        if server is not None:  # the signal may land after start() set SERVING: drain what came in
+            server.drain(config.drain_seconds)
+            server.stop()
+        log.info("stopped during start-up after %.1f s (a signal before serving)", time.perf_counter() - t0)
+        return 0
     log.info("SERVING: model %s, drafter %s, policy %s, %d slots, context %d; warmup %.1f s, start-up %.1f s",
              config.model, drafter_name, engine.policy, engine.slots, engine.max_len, warm, time.perf_counter() - t0)
     while not stop.wait(1.0):

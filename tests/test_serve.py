@@ -423,3 +423,37 @@ def test_binary_sharded_health_reflection_metrics_and_sigterm_drain(tiny_model_d
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.slow
+def test_binary_stops_at_once_on_sigterm_during_startup(tiny_model_dir):
+    """SIGTERM while the server compiles (health NOT_SERVING, nothing accepted) ends it there with
+    exit 0, rather than after the warmup: a pod's SIGKILL deadline is seconds, a warmup minutes."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port = free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "serve", "--model", tiny_model_dir, "--drafter", "none", "--slots", "4",
+           "--max-len", "256", "--port", str(port), "--host", "localhost"]
+    process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with grpc.insecure_channel(f"localhost:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def compiling():
+                assert process.poll() is None, process.stdout.read()
+                try:
+                    return health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                except grpc.RpcError:
+                    return None  # the port is not open yet
+
+            assert wait_until(lambda: compiling() is not None, timeout=300)
+            assert compiling() == health_pb2.HealthCheckResponse.NOT_SERVING
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=120) == 0
+        log = process.stdout.read()
+        assert "stopped during start-up" in log and "SERVING:" not in log, log
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
