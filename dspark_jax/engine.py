@@ -419,11 +419,19 @@ class Engine:
                         sampling=RowSampling(vec(jnp.float32), vec(jnp.int32), vec(jnp.float32)),
                         seed_key=spec((n, 2), jnp.uint32))
 
-    def warmup(self, rounds: Sequence[int] = (1,), insert_batches: Sequence[int] = (1,)) -> float:
+    def warmup(self, rounds: Sequence[int] = (1,), insert_batches: Sequence[int] = (1,), *,
+               execute: bool = True) -> float:
         """Compile every program a request can need ahead: the insert program for each prompt
         bucket and each batch size in `insert_batches` (powers of two), a step for each value in
-        `rounds` and each attention span, and free. A dspark policy without a cost table then
-        profiles one (schedule.profile_sps). Returns the seconds it took."""
+        `rounds`, each attention span and row bucket, and free. A dspark policy without a cost
+        table then profiles one (schedule.profile_sps).
+
+        With `execute`, each of them then also runs once on placeholder requests, every
+        verification width of a step included (`_execute_programs`): an executable's first run
+        initialises its kernels (XLA's CPU runtime here: 0.4-0.7 s per program; CUDA's lazy module
+        loading likewise), and without this each first use of a prompt bucket, row bucket, span or
+        width (a rare probe at high load) stalls every live request that long. Returns the
+        seconds it took."""
         start = time.perf_counter()
         self.new_state()
         state = self._state_shape()
@@ -438,7 +446,55 @@ class Engine:
         if self.policy in sched.TABLE_POLICIES and self.settings.dconfig is not None and (
                 len(self._bucket_tables) < len(self.row_buckets)):
             self._profile_missing()
+        if execute:
+            self._execute_programs(rounds, insert_batches)
         return time.perf_counter() - start
+
+    def _execute_programs(self, rounds: Sequence[int], insert_batches: Sequence[int]) -> None:
+        """Run each insert program and each step program (at every verification width) once, on
+        placeholder requests whose outputs are dropped (warmup's `execute`)."""
+        vocab_size = self.settings.config.vocab_size
+        placeholder = lambda n: [(7 * i + 3) % vocab_size for i in range(n)]  # noqa: E731
+        for n in sorted({pow2(b) for b in insert_batches}):
+            for previous, length in zip((0, *self.prefill_buckets), self.prefill_buckets):
+                # The shortest prompt in this bucket, with room for one new token: a bucket no
+                # request can fit is never used.
+                if previous + 2 + self.extra_positions > self.max_len or n > self.slots:
+                    continue
+                params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+                jax.block_until_ready(self.insert_many(
+                    self.new_state(), [(slot, placeholder(previous + 1), params) for slot in range(n)]))
+        budget = self.max_len - 1 - self.extra_positions  # a placeholder row never finishes early
+        if budget < 1:
+            return
+        widths = decode.verify_widths(self.block_size) if self.settings.dconfig is not None else (1,)
+        params = SamplingParams(max_new_tokens=budget, ignore_eos=True)
+        like = lambda ref, value: jnp.full(ref.shape, value, ref.dtype)  # noqa: E731 - uncommitted, as step() passes them
+        repeats = 3 if self.policy == "dspark-lagged" else 1  # its budget reads confidences two rounds old
+        for r in rounds:
+            for span in self.attention_spans:
+                for rows in self.row_buckets:
+                    program = self._step_program(int(r), span, self.policy, rows)
+                    state = self.new_state()
+                    for slot in range(rows):  # batch-1 inserts: always compiled
+                        state = self.insert(state, slot, placeholder(1), params)
+                    sp = self._schedule_for(rows)
+                    flat = like(sp.sps_table, 1.0)
+                    # A flat table and no plain rate open every gate and admit every capped block,
+                    # so max_length = w - 1 runs the width-w verification (w = 1: the dspark
+                    # policies' plain round); a tiny threshold does the same for "threshold".
+                    cases = [(flat, w - 1) for w in widths]
+                    if self.policy in sched.TABLE_POLICIES and len(widths) > 1:
+                        # A drafted round that admits nothing (a probe of low confidences): the
+                        # gate opens, but any token past B = rows is priced at zero.
+                        cases.append((jnp.where(jnp.arange(flat.shape[0]) <= rows, flat, 0.0), self.block_size))
+                    for table, cap in cases:
+                        run = dataclasses.replace(sp, sps_table=table, plain_sps=like(sp.plain_sps, 0.0),
+                                                  threshold=like(sp.threshold, 1e-30), max_length=like(sp.max_length, cap))
+                        for _ in range(repeats):
+                            state = program(*self.weights, state, run)[0]
+                    jax.block_until_ready(self.free(state, 0))
+        self._verified_drafts = True  # as a fresh engine: the placeholders' drafts say nothing
 
     # ------------------------------------------------------------------ requests
     def _check_request(self, slot, ids, params: SamplingParams, index: int) -> list[int]:
