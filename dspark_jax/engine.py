@@ -453,17 +453,15 @@ class Engine:
     def _execute_programs(self, rounds: Sequence[int], insert_batches: Sequence[int]) -> None:
         """Run each insert program and each step program (at every verification width) once, on
         placeholder requests whose outputs are dropped (warmup's `execute`)."""
-        vocab_size = self.settings.config.vocab_size
-        placeholder = lambda n: [(7 * i + 3) % vocab_size for i in range(n)]  # noqa: E731
-        for n in sorted({pow2(b) for b in insert_batches}):
-            for previous, length in zip((0, *self.prefill_buckets), self.prefill_buckets):
-                # The shortest prompt in this bucket, with room for one new token: a bucket no
+        placeholder = self.placeholder_prompt
+        one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+        for n in sorted({pow2(b) for b in insert_batches if pow2(b) <= self.slots}):
+            for previous in (0, *self.prefill_buckets[:-1]):
+                # The shortest prompt of the next bucket, with room for one new token: a bucket no
                 # request can fit is never used.
-                if previous + 2 + self.extra_positions > self.max_len or n > self.slots:
-                    continue
-                params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-                jax.block_until_ready(self.insert_many(
-                    self.new_state(), [(slot, placeholder(previous + 1), params) for slot in range(n)]))
+                if previous + 2 + self.extra_positions <= self.max_len:
+                    jax.block_until_ready(self.insert_many(
+                        self.new_state(), [(slot, placeholder(previous + 1), one) for slot in range(n)]))
         budget = self.max_len - 1 - self.extra_positions  # a placeholder row never finishes early
         if budget < 1:
             return
@@ -495,6 +493,10 @@ class Engine:
                             state = program(*self.weights, state, run)[0]
                     jax.block_until_ready(self.free(state, 0))
         self._verified_drafts = True  # as a fresh engine: the placeholders' drafts say nothing
+
+    def placeholder_prompt(self, length: int) -> list[int]:
+        """`length` fixed token ids for requests whose output is dropped (warmup, profiling)."""
+        return [(7 * i + 3) % self.settings.config.vocab_size for i in range(length)]
 
     # ------------------------------------------------------------------ requests
     def _check_request(self, slot, ids, params: SamplingParams, index: int) -> list[int]:

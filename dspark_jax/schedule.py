@@ -453,7 +453,7 @@ def profile_sps(engine, max_tokens: int | None = None, *, rows: int | None = Non
     steps = min(int(rounds), room // (max(widths) + 1))
     if steps < 1:
         raise ValueError(f"max_len {engine.max_len} leaves no room to profile a round of width {max(widths)}")
-    ids = [(7 * i + 3) % engine.settings.config.vocab_size for i in range(prompt_len)]
+    ids = engine.placeholder_prompt(prompt_len)
     params = SamplingParams(max_new_tokens=room, ignore_eos=True)
     variants = [("fixed", w - 1) for w in widths] + ([("none", None)] if g else [])
     best = {v: float("inf") for v in variants}
