@@ -487,13 +487,13 @@ def step_width(rounds: int, block_size: int) -> int:
 
 
 def step_rows(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, rows: int,
-              s: DecodeSettings):
+              s: DecodeSettings, shut: bool = False):
     """`step` over the first `rows` slots only (static; every other slot must be free or done and
     reported): a server with many slots and few requests pays for the rows it uses, not for all of
     them. The outputs have every slot's rows (the others commit nothing); `sp` is the table for
     `rows` rows."""
     if rows == s.slots:
-        return step(params, dparams, state, sp, rounds=rounds, s=s)
+        return step(params, dparams, state, sp, rounds=rounds, s=s, shut=shut)
     axes = batch_axes(lambda b: new_state(params, dparams, dataclasses.replace(s, slots=b)))
     # The target's cache buffers stay whole (the forward uses their first rows, KVCache): slicing
     # them out and back copied every stepped row's cache each step.
@@ -502,7 +502,7 @@ def step_rows(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams,
     head = jax.tree.map(lambda leaf, axis: leaf if axis is None else jax.lax.slice_in_dim(leaf, 0, rows, axis=axis),
                         state, axes)
     head, tokens, counts, ran, trace, load = step(params, dparams, head, sp, rounds=rounds,
-                                                  s=dataclasses.replace(s, slots=rows))
+                                                  s=dataclasses.replace(s, slots=rows), shut=shut)
     state = jax.tree.map(lambda leaf, part, axis: part if axis is None
                          else jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=axis), state, head, axes)
     rest = s.slots - rows
@@ -515,8 +515,45 @@ def step_rows(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams,
     return state, pad(tokens), pad(counts), ran, trace, load
 
 
-def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, s: DecodeSettings):
+def gate_drafts(state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Array, *, s: DecodeSettings,
+                probes: bool = True, measured_only: bool = False) -> jax.Array:
+    """[] bool: whether the dspark gate (sched.drafting_pays) drafts the next round, a probe
+    included when one is due (`probes`). With `measured_only`, rows whose average holds no
+    drafted round yet carry no evidence. Reads only the gate's fields, the rows' budgets and
+    cache lengths (gate_at_start runs it on those fields alone)."""
+    b = state.done.shape[0]
+    # next_probe counts from the last drafted round; the floor also holds for a fresh engine's
+    # first probe (its last drafted round is "forward 0").
+    due = probes & (state.forwards >= jnp.maximum(state.next_probe, sched.probe_floor(sp, b)))
+    live, caps = ~state.done, round_caps(state, s, rounds_left)
+    if measured_only:
+        live = live & (state.gate_rounds > 0)
+        caps = jnp.where(live, caps, 0)
+    return sched.drafting_pays(state.gate_confidences, caps, sp, live, due)
+
+
+def gate_at_start(state: SlotState, sp: sched.ScheduleParams, *, rounds: int, rows: int, s: DecodeSettings):
+    """[] bool: whether a dspark step over the first `rows` slots drafts in its first round. The
+    Engine asks before each step and runs the step with `shut` when it does not (see `step`).
+    Only the fields gate_drafts reads are sliced: the caches are not touched."""
+    head = lambda x: x[:rows]  # noqa: E731
+    part = dataclasses.replace(
+        state, cache=dataclasses.replace(state.cache, lengths=head(state.cache.lengths)), done=head(state.done),
+        budget=head(state.budget), emitted=head(state.emitted), gate_confidences=head(state.gate_confidences),
+        gate_rounds=head(state.gate_rounds))
+    return gate_drafts(part, sp, jnp.asarray(rounds, jnp.int32), s=dataclasses.replace(s, slots=rows))
+
+
+def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, s: DecodeSettings,
+         shut: bool = False):
     """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
+
+    `shut` (static; the dspark policies only): the gate is closed at the step's start
+    (gate_at_start). The step then runs plain rounds in one flat loop while the gate stays closed
+    and ends early, before the first round that would draft; the next step (with the gate open)
+    drafts it. At high load, where the gate stays closed, such a step costs what plain decoding
+    costs: the nested loops of a step that may draft cost ~5 ms more per step at 16 rows here
+    (39 vs 42-46 ms per one-round step) even when it drafts nothing.
 
     Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32,
     trace, load): slot r committed tokens[r, :counts[r]] in this call, its first token (from
@@ -553,25 +590,20 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
     carry = (jnp.zeros((), jnp.int32), state, out, counts, trace, load)
     mod = drafter_module(s)
+
+    def drafts(carry, probes=True, measured_only=False):
+        i, st = carry[:2]
+        return gate_drafts(st, sp, rounds - i, s=s, probes=probes, measured_only=measured_only)
+
     if mod is None or s.policy not in sched.TABLE_POLICIES:
         carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none"), carry)
+    elif shut:
+        carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
     else:
-        # The dspark gate (sched.drafting_pays) decides each round whether to draft at all. Its two
-        # kinds of round run in two inner loops, plain rounds while the gate is closed and then one
-        # drafted round: a lax.cond between them made XLA copy the caches every round, a loop
-        # updates them in place.
+        # The dspark gate decides each round whether to draft at all. Its two kinds of round run
+        # in two inner loops, plain rounds while the gate is closed and then one drafted round: a
+        # lax.cond between them made XLA copy the caches every round, a loop updates them in place.
         floor = sched.probe_floor(sp, b)  # the shortest probe gap at this load
-
-        def drafts(carry, probes=True, measured_only=False):
-            i, st = carry[:2]
-            # next_probe counts from the last drafted round; the floor also holds for a fresh
-            # engine's first probe (its last drafted round is "forward 0").
-            due = probes & (st.forwards >= jnp.maximum(st.next_probe, floor))
-            live, caps = ~st.done, round_caps(st, s, rounds - i)
-            if measured_only:  # rows whose average holds no drafted round yet carry no evidence
-                live = live & (st.gate_rounds > 0)
-                caps = jnp.where(live, caps, 0)
-            return sched.drafting_pays(st.gate_confidences, caps, sp, live, due)
 
         def plain_then_one_drafted(carry):
             carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)

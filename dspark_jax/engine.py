@@ -179,7 +179,7 @@ class Engine:
         self.attention_spans = attention_spans(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
         self._programs: dict = {}
-        self._steps: dict = {}  # (rounds, span, policy, rows) -> the step executable, looked up every step
+        self._steps: dict = {}  # (rounds, span, policy, rows, shut) -> the step executable, looked up every step
         self._state_spec = None  # the slot state's shapes, traced once (_state_shape)
         self._verified_drafts = True  # the last step verified a draft token (span_for's plan)
         # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
@@ -358,17 +358,31 @@ class Engine:
         s = self.settings
         return lambda p, dp, state, req: decode.insert(p, dp, state, req, s=s)
 
-    def _step_fn(self, rounds: int, span: int, policy: str, rows: int):
+    def _step_fn(self, rounds: int, span: int, policy: str, rows: int, shut: bool = False):
         s = dataclasses.replace(self.settings, kv_len=span, policy=policy)
-        return lambda p, dp, state, sp: decode.step_rows(p, dp, state, sp, rounds=rounds, rows=rows, s=s)
+        return lambda p, dp, state, sp: decode.step_rows(p, dp, state, sp, rounds=rounds, rows=rows, s=s, shut=shut)
 
-    def _step_program(self, rounds: int, span: int, policy: str, rows: int | None = None):
+    def _step_program(self, rounds: int, span: int, policy: str, rows: int | None = None, shut: bool = False):
         rows = self.slots if rows is None else rows
-        key = (int(rounds), int(span), policy, int(rows))
+        key = (int(rounds), int(span), policy, int(rows), bool(shut))
         if key not in self._steps:  # a row bucket's table has one shape, so the key decides the program
             args = (self._state_shape(), self._schedule_for(rows))
-            self._steps[key] = self._program(f"step{rounds}@{span}x{rows}:{policy}",
-                                             self._step_fn(rounds, span, policy, rows), args, (0,))
+            self._steps[key] = self._program(f"step{rounds}@{span}x{rows}:{policy}{':shut' if shut else ''}",
+                                             self._step_fn(rounds, span, policy, rows, shut), args, (0,))
+        return self._steps[key]
+
+    def _gated(self, policy: str) -> bool:
+        """Whether a step under `policy` has the dspark gate (a drafter and a table policy)."""
+        return policy in sched.TABLE_POLICIES and self.settings.dconfig is not None
+
+    def _gate_program(self, rounds: int, span: int, policy: str, rows: int):
+        """decode.gate_at_start for a step of this shape: one bool read before each gated step."""
+        key = ("gate", int(rounds), int(span), policy, int(rows))
+        if key not in self._steps:
+            s = dataclasses.replace(self.settings, kv_len=span, policy=policy)
+            fn = lambda p, dp, state, sp: decode.gate_at_start(state, sp, rounds=rounds, rows=rows, s=s)  # noqa: E731
+            self._steps[key] = self._program(f"gate{rounds}@{span}x{rows}:{policy}", fn,
+                                             (self._state_shape(), self._schedule_for(rows)))
         return self._steps[key]
 
     def rows_for(self, state: SlotState) -> int:
@@ -442,6 +456,9 @@ class Engine:
             for span in self.attention_spans:
                 for rows in self.row_buckets:
                     self._step_program(int(r), span, self.policy, rows)
+                    if self._gated(self.policy):
+                        self._gate_program(int(r), span, self.policy, rows)
+                        self._step_program(int(r), span, self.policy, rows, shut=True)
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
         if self.policy in sched.TABLE_POLICIES and self.settings.dconfig is not None and (
                 len(self._bucket_tables) < len(self.row_buckets)):
@@ -491,6 +508,12 @@ class Engine:
                                                   threshold=like(sp.threshold, 1e-30), max_length=like(sp.max_length, cap))
                         for _ in range(repeats):
                             state = program(*self.weights, state, run)[0]
+                    if self._gated(self.policy):  # the gate's question, then its plain-only step
+                        shut = dataclasses.replace(sp, max_length=like(sp.max_length, 0))
+                        jax.block_until_ready(self._gate_program(int(r), span, self.policy, rows)(
+                            *self.weights, state, shut))
+                        state = self._step_program(int(r), span, self.policy, rows, shut=True)(
+                            *self.weights, state, shut)[0]
                     jax.block_until_ready(self.free(state, 0))
         self._verified_drafts = True  # as a fresh engine: the placeholders' drafts say nothing
 
@@ -579,7 +602,11 @@ class Engine:
             self._profile_missing()  # once, before the first step that needs it (a cap of 0 never drafts)
             sp = dataclasses.replace(self._schedule_for(rows), max_length=sp.max_length)
         span = self.span_for(state, int(rounds), policy)
-        program = self._step_program(int(rounds), span, policy, rows)
+        # A gated step whose first round would not draft runs the plain-only program (decode.step's
+        # `shut`): the gate's nested loops cost ~5 ms a step even when they draft nothing.
+        shut = self._gated(policy) and not bool(self._gate_program(int(rounds), span, policy, rows)(
+            *self.weights, state, sp))
+        program = self._step_program(int(rounds), span, policy, rows, shut)
         state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)
         tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load = jax.device_get(
             (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,

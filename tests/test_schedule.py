@@ -356,6 +356,17 @@ def _table(slots, block, rate):
     return (1.0 / (slots + rate * np.maximum(b - slots, 0))).astype(np.float32)
 
 
+def _drafted_rounds(engine, state, rounds=64, row=0):
+    """Step until `row` finishes: per round of that row, whether the drafter ran. A step whose
+    gate is closed at its start ends before the first round that drafts (decode.step's `shut`),
+    so steps run fewer rounds than asked; the rounds themselves do not depend on that."""
+    drafted = []
+    while not bool(np.asarray(state.done)[row]):
+        state, out = engine.step(state, rounds=rounds)
+        drafted += [bool(np.any(z)) for z in out.round_confidence_logits[row]]
+    return state, drafted
+
+
 def test_every_policy_gives_the_plain_greedy_tokens(tiny):
     from dspark_jax import generate
 
@@ -438,10 +449,14 @@ def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny, plain):
     state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=230, ignore_eos=True))
                                                     for i, p in enumerate(prompts)])
     first = int(state.forwards)  # the forward count of the first round
-    drafted = []
-    for _ in range(4):
-        state, out = engine.step(state, rounds=64)
-        drafted += [bool(np.any(z)) for z in out.round_confidence_logits[0]]  # the drafter ran in that round
+    again = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=230, ignore_eos=True))
+                                                    for i, p in enumerate(prompts)])
+    state, drafted = _drafted_rounds(engine, state)
+    # Steps of 5 rounds start with the gate closed far more often (the plain-only program) and
+    # run the same rounds.
+    again, drafted_by_5 = _drafted_rounds(engine, again, rounds=5)
+    assert drafted_by_5 == drafted
+    assert any(key[-1] is True for key in engine._steps if key[0] != "gate")  # the plain-only program ran
     floor = max(sched.PROBE_EVERY, int(np.ceil((plain - 1.0) / sched.PROBE_BUDGET - 1e-6)))
     expected, r, gap = [], max(sched.PROBE_EVERY, floor) - first, sched.PROBE_EVERY
     while r < len(drafted):
@@ -475,9 +490,8 @@ def test_a_fresh_engine_starts_its_gate_from_the_measured_acceptance(tiny):
                                        for i, p in enumerate(_prompts(3, seed=4))])
     np.testing.assert_allclose(np.asarray(state.gate_confidences), 0.5)  # nothing measured: the prior
     first = int(state.forwards)
-    state, out = engine.step(state, rounds=40)
-    drafted = [bool(np.any(z)) for z in out.round_confidence_logits[0]]
-    assert [r for r, d in enumerate(drafted) if d] == [sched.PROBE_EVERY - first]
+    state, drafted = _drafted_rounds(engine, state)
+    assert [r for r, d in enumerate(drafted) if d][0] == sched.PROBE_EVERY - first
 
 
 def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):
@@ -503,11 +517,8 @@ def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):
     engine = Engine(target, flat, slots=4, max_len=256, policy="dspark", sps_table=table)
     state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=200, ignore_eos=True))
                                                     for i, p in enumerate(_prompts(3, seed=4))])
-    drafted = []
-    for _ in range(3):
-        state, out = engine.step(state, rounds=64)
-        drafted += [bool(np.any(z)) for z in out.round_confidence_logits[0]]
-    assert [r for r, d in enumerate(drafted) if d] == [0, 1 + 2 * sched.PROBE_EVERY,
+    state, drafted = _drafted_rounds(engine, state)
+    assert [r for r, d in enumerate(drafted) if d][:3] == [0, 1 + 2 * sched.PROBE_EVERY,
                                                        2 + 2 * sched.PROBE_EVERY + 4 * sched.PROBE_EVERY]
 
 
