@@ -595,10 +595,13 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         i, st = carry[:2]
         return gate_drafts(st, sp, rounds - i, s=s, probes=probes, measured_only=measured_only)
 
+    def plain_while_shut(carry):
+        return jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
+
     if mod is None or s.policy not in sched.TABLE_POLICIES:
         carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none"), carry)
     elif shut:
-        carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
+        carry = plain_while_shut(carry)
     else:
         # The dspark gate decides each round whether to draft at all. Its two kinds of round run
         # in two inner loops, plain rounds while the gate is closed and then one drafted round: a
@@ -606,7 +609,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         floor = sched.probe_floor(sp, b)  # the shortest probe gap at this load
 
         def plain_then_one_drafted(carry):
-            carry = jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
+            carry = plain_while_shut(carry)
             start, st = carry[:2]
             averaged = st.gate_rounds
             # Drafting paid when the measured rows alone open the gate; a round opened by a start

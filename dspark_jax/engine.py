@@ -460,8 +460,7 @@ class Engine:
                         self._gate_program(int(r), span, self.policy, rows)
                         self._step_program(int(r), span, self.policy, rows, shut=True)
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
-        if self.policy in sched.TABLE_POLICIES and self.settings.dconfig is not None and (
-                len(self._bucket_tables) < len(self.row_buckets)):
+        if self._gated(self.policy) and len(self._bucket_tables) < len(self.row_buckets):
             self._profile_missing()
         if execute:
             self._execute_programs(rounds, insert_batches)
@@ -499,7 +498,7 @@ class Engine:
                     # so max_length = w - 1 runs the width-w verification (w = 1: the dspark
                     # policies' plain round); a tiny threshold does the same for "threshold".
                     cases = [(flat, w - 1) for w in widths]
-                    if self.policy in sched.TABLE_POLICIES and len(widths) > 1:
+                    if self._gated(self.policy) and len(widths) > 1:
                         # A drafted round that admits nothing (a probe of low confidences): the
                         # gate opens, but any token past B = rows is priced at zero.
                         cases.append((jnp.where(jnp.arange(flat.shape[0]) <= rows, flat, 0.0), self.block_size))
@@ -584,6 +583,9 @@ class Engine:
         """Run up to `rounds` decoding rounds for every live slot in one device loop and copy
         the committed tokens to the host once.
 
+        A dspark step that starts with its gate closed ends before the first round that would
+        draft (decode.step's `shut`), so it may run fewer rounds; `out.rounds` says how many ran.
+
         `policy` overrides the engine's verification-length policy for this call (one compiled
         program per policy); `max_length` caps the draft tokens any row verifies (data: any value
         in [0, G] runs the same program)."""
@@ -598,7 +600,7 @@ class Engine:
             if not isinstance(max_length, (int, np.integer)) or not 0 <= max_length <= self.block_size:
                 raise ValueError(f"max_length must be an integer in [0, {self.block_size}], got {max_length!r}")
             sp = dataclasses.replace(sp, max_length=jnp.asarray(max_length, jnp.int32))
-        if policy in sched.TABLE_POLICIES and rows not in self._bucket_tables and max_length != 0:
+        if self._gated(policy) and rows not in self._bucket_tables and max_length != 0:
             self._profile_missing()  # once, before the first step that needs it (a cap of 0 never drafts)
             sp = dataclasses.replace(self._schedule_for(rows), max_length=sp.max_length)
         span = self.span_for(state, int(rounds), policy)
