@@ -307,9 +307,7 @@ def verify(params, cache: KVCache, draft: DraftOutput, block, positions, lengths
         hidden, chunk, feats = forward_chunk(params, s.config, block[:, :width], positions[:, :width], cache,
                                              s.feature_layers, kv_len=s.kv_len)
         # Drafts past every row's l are never read.
-        head = DraftOutput(tokens=draft.tokens[:, :width - 1], probs=draft.probs[:, :width - 1],
-                           confidence_logits=draft.confidence_logits[:, :width - 1])
-        n_acc, next_token = verify_rule(head, logits_from_hidden(params, hidden), lengths, keys, rs, s=s)
+        n_acc, next_token = verify_rule(draft.first(width - 1), logits_from_hidden(params, hidden), lengths, keys, rs, s=s)
         if feats is not None:
             feats = jnp.pad(feats, [(0, 0), (0, g1 - width), (0, 0), (0, 0)])
         return n_acc, next_token, chunk.pad_to(g1), feats
@@ -336,11 +334,12 @@ def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array
         # the correction / bonus sample always the last one.
         drawn = jax.vmap(lambda key: jax.random.uniform(key, (s.block_size + 1,), jnp.float32))(keys)
         uniforms = jnp.concatenate([drawn[:, :g1 - 1], drawn[:, -1:]], axis=1)  # [b, g1]
+        draft_probs = draft.full_probs(v)  # [b, g1 - 1, V]: only this branch reads q
         if s.verifier == "pallas":
             import pallas_kernels
 
-            return pallas_kernels.verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
-        return verify_block(draft.tokens, draft.probs, target_probs, lengths, uniforms)
+            return pallas_kernels.verify_block(draft.tokens, draft_probs, target_probs, lengths, uniforms)
+        return verify_block(draft.tokens, draft_probs, target_probs, lengths, uniforms)
 
     return jax.lax.cond(all_greedy(rs), greedy, sampled, target_logits)
 

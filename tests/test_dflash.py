@@ -192,7 +192,7 @@ def test_draft_matches_train_forward(case):
     out, _ = draft(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, keys, RowSampling.uniform(b, temperature=1.0),
                    forced)
     np.testing.assert_array_equal(out.tokens, forced)
-    np.testing.assert_allclose(out.probs, jax.nn.softmax(train["logits"][:, 0], -1), atol=1e-5)
+    np.testing.assert_allclose(out.full_probs(tcfg.vocab_size), jax.nn.softmax(train["logits"][:, 0], -1), atol=1e-5)
     np.testing.assert_allclose(out.confidence_logits, train["confidence_logits"][:, 0], atol=1e-5)
     if dcfg.has_head:  # the head really changed the distribution
         assert np.abs(np.asarray(train["logits"] - train["base_logits"]))[np.isfinite(base)[:, None]].max() > 1e-3
@@ -201,7 +201,7 @@ def test_draft_matches_train_forward(case):
 
     # Greedy drafting: one-hot probs of the argmax of the head-corrected logits.
     out, _ = draft(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, keys, RowSampling.uniform(b))
-    np.testing.assert_array_equal(out.probs, jax.nn.one_hot(out.tokens, tcfg.vocab_size))
+    np.testing.assert_array_equal(out.full_probs(tcfg.vocab_size), jax.nn.one_hot(out.tokens, tcfg.vocab_size))
     train_g = _train(dp, tp, tcfg, dcfg, tokens.at[rows[:, None], anchor_pos[:, None] + 1
                                                                + jnp.arange(G - 1)].set(out.tokens[:, :-1]),
                                    feats, anchor_pos[:, None])
@@ -313,15 +313,16 @@ def test_sampled_draft_is_consistent():
             out, state_out = run(dp, tp, state=state, anchor=anchor, anchor_pos=anchor_pos,
                                  keys=jax.random.split(jax.random.PRNGKey(seed), 2), sampling=sampling)
             assert out.tokens.shape == (2, G) and out.tokens.dtype == jnp.int32
-            np.testing.assert_allclose(out.probs.sum(-1), 1.0, atol=1e-5)
-            picked = np.take_along_axis(np.asarray(out.probs), np.asarray(out.tokens)[..., None], -1)
+            probs = np.asarray(out.full_probs(tcfg.vocab_size))  # [2, G, V]
+            np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+            picked = np.take_along_axis(probs, np.asarray(out.tokens)[..., None], -1)
             assert np.all(picked > 0)
             assert np.all(np.isfinite(np.asarray(out.confidence_logits)))
             tok_sets.append(np.asarray(out.tokens))
         assert state_out.k is not None and np.array_equal(np.asarray(state_out.k), np.asarray(state.k))
         assert any(not np.array_equal(tok_sets[0], t) for t in tok_sets[1:])  # the key matters
         if top_k:
-            assert np.all((np.asarray(out.probs) > 0).sum(-1) <= 5)
+            assert np.all((probs > 0).sum(-1) <= 5)
 
 
 @pytest.mark.parametrize("tcfg", [TCFG, TCFG_BQ], ids=["llama", "qwen3"])

@@ -77,7 +77,7 @@ def test_inference_matches_training_unroll(setup):
     state = _prefill(tparams, dparams, tokens, _features(tparams, tokens), P)
     out, logits, _ = _draft_at(tparams, dparams, state, tokens, P)
     drafted = np.asarray(out.tokens)
-    np.testing.assert_array_equal(np.asarray(out.probs), np.eye(TCFG.vocab_size)[drafted])
+    np.testing.assert_array_equal(np.asarray(out.full_probs(TCFG.vocab_size)), np.eye(TCFG.vocab_size)[drafted])
     np.testing.assert_array_equal(np.asarray(out.confidence_logits), 0.0)
     # Teacher tokens that follow the draft: step j at position P-1 reads token P+j = d_j.
     teacher = np.asarray(tokens).copy()
@@ -186,7 +186,7 @@ def test_sampling_path(setup):
     state = _prefill(tparams, dparams, tokens, _features(tparams, tokens), P)
     cfg = RowSampling.uniform(2, temperature=0.9, top_k=6)
     out, logits, _ = _draft_at(tparams, dparams, state, tokens, P, cfg, jax.random.PRNGKey(3))
-    probs, drafted = np.asarray(out.probs), np.asarray(out.tokens)
+    probs, drafted = np.asarray(out.full_probs(TCFG.vocab_size)), np.asarray(out.tokens)
     assert probs.shape == (2, G, TCFG.vocab_size)
     np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
     assert np.all(np.take_along_axis(probs, drafted[..., None], -1) > 0)
@@ -217,8 +217,11 @@ def test_reduced_draft_vocabulary(setup):
     outside = np.ones(TCFG.vocab_size, bool)
     outside[ids] = False
     assert np.isin(np.asarray(out.tokens), ids).all()
-    assert (np.asarray(out.probs)[..., outside] == 0).all()
-    np.testing.assert_allclose(np.asarray(out.probs).sum(-1), 1.0, atol=1e-5)
+    # q is kept over the draft ids only, and spreads to zero everywhere else.
+    assert out.probs.shape == (2, G, n) and np.array_equal(np.asarray(out.support), ids)
+    probs = np.asarray(out.full_probs(TCFG.vocab_size))
+    assert (probs[..., outside] == 0).all()
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits)[:, 0, ids], np.asarray(full_logits)[:, 0, ids], atol=1e-5, rtol=0)
     # The engine's bound head (rows gathered once) drafts the same tokens with the same logits.
     bound = vocab.bind_head(reduced, tparams)

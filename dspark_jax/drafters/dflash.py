@@ -276,8 +276,8 @@ def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sa
 
     xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(h, 1, 0), jnp.arange(G), jnp.moveaxis(forced, 1, 0))
     _, (tokens, probs, conf) = jax.lax.scan(step, (anchor.astype(jnp.int32), _rnn_zeros(dcfg, b)), xs)
-    probs = vocab.to_full_vocab(params, tcfg.vocab_size, jnp.moveaxis(probs, 0, 1), fill=0.0)  # [b, G, V]
-    out = DraftOutput(tokens=jnp.moveaxis(tokens, 0, 1), probs=probs, confidence_logits=jnp.moveaxis(conf, 0, 1))
+    out = DraftOutput(tokens=jnp.moveaxis(tokens, 0, 1), probs=jnp.moveaxis(probs, 0, 1),  # [b, G, N]
+                      confidence_logits=jnp.moveaxis(conf, 0, 1), support=vocab.support(params))
     return out, state
 
 

@@ -170,15 +170,18 @@ def draft_with_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg
         attn = attention_out(lp, q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask)  # [b, 1, e]
         g = mlp_residual(lp, tcfg, x[:, None] + attn)[:, 0]  # [b, e]
         hidden = rms_norm(g, params["final_norm"], tcfg.rms_norm_eps)
-        logits = vocab.to_full_vocab(params, tcfg.vocab_size, vocab.draft_logits(params, target_params, hidden))
-        new_token, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, j), sampling)
+        logits = vocab.draft_logits(params, target_params, hidden)  # [b, N]
+        # Sampled over the draft vocabulary: the distribution over all V ids (zero elsewhere).
+        index, probs = sample_with_probs(logits, jax.vmap(jax.random.fold_in, (0, None))(keys, j), sampling)
+        new_token = vocab.to_target_ids(params, index)
         return (g, new_token, pos + 1, cache_k, cache_v), (new_token, probs, logits)
 
     init = (state.pending, anchor.astype(jnp.int32), anchor_pos.astype(jnp.int32) - 1, state.k, state.v)
     (_, _, _, cache_k, cache_v), (tokens, probs, logits) = jax.lax.scan(step, init, jnp.arange(steps))
-    out = DraftOutput(tokens=tokens.T, probs=jnp.moveaxis(probs, 0, 1),
-                      confidence_logits=jnp.zeros((b, steps), jnp.float32))
-    return out, jnp.moveaxis(logits, 0, 1), Eagle3State(k=cache_k, v=cache_v, pending=state.pending)
+    out = DraftOutput(tokens=tokens.T, probs=jnp.moveaxis(probs, 0, 1),  # [b, G, N]
+                      confidence_logits=jnp.zeros((b, steps), jnp.float32), support=vocab.support(params))
+    logits = vocab.to_full_vocab(params, tcfg.vocab_size, jnp.moveaxis(logits, 0, 1))  # [b, G, V]
+    return out, logits, Eagle3State(k=cache_k, v=cache_v, pending=state.pending)
 
 
 def draft(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, state: Eagle3State,

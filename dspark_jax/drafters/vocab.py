@@ -40,17 +40,26 @@ def bind_head(params: dict, target_params: dict) -> dict:
 
 def to_full_vocab(params: dict, vocab_size: int, values: jax.Array, fill: float = -jnp.inf) -> jax.Array:
     """Spread reduced values [..., N] over [..., V], `fill` outside the draft vocabulary (-inf for
-    logits, 0 for probabilities).
+    logits, 0 for probabilities)."""
+    if "draft_vocab" not in params:
+        return values
+    return spread_over_vocab(params["draft_vocab"], vocab_size, values, fill)
+
+
+def spread_over_vocab(ids: jax.Array, vocab_size: int, values: jax.Array, fill: float) -> jax.Array:
+    """values [..., N] at target ids [N] -> [..., V], `fill` at every other id.
 
     Written as a gather through the inverse map (target id -> draft index): XLA:CPU ran the
     equivalent scatter over a [b, G, N] input about 3x slower.
     """
-    if "draft_vocab" not in params:
-        return values
-    ids = params["draft_vocab"]
     inverse = jnp.full((vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
     spread = jnp.take(values, jnp.maximum(inverse, 0), axis=-1)  # [..., V]
     return jnp.where(inverse >= 0, spread, jnp.asarray(fill, values.dtype))
+
+
+def support(params: dict) -> jax.Array | None:
+    """The target ids [N] that draft distributions cover (DraftOutput.support), None for all V."""
+    return params.get("draft_vocab")
 
 
 def to_target_ids(params: dict, index: jax.Array) -> jax.Array:
