@@ -307,7 +307,8 @@ def verify(params, cache: KVCache, draft: DraftOutput, block, positions, lengths
         hidden, chunk, feats = forward_chunk(params, s.config, block[:, :width], positions[:, :width], cache,
                                              s.feature_layers, kv_len=s.kv_len)
         # Drafts past every row's l are never read.
-        n_acc, next_token = verify_rule(draft.first(width - 1), logits_from_hidden(params, hidden), lengths, keys, rs, s=s)
+        n_acc, next_token = verify_rule(draft.first(width - 1), logits_from_hidden(params, hidden), lengths, keys,
+                                        rs, s=s)
         if feats is not None:
             feats = jnp.pad(feats, [(0, 0), (0, g1 - width), (0, 0), (0, 0)])
         return n_acc, next_token, chunk.pad_to(g1), feats

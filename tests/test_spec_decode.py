@@ -87,21 +87,19 @@ def _exact_marginals(target, prompt, temperature):
     return p1, joint12.sum(axis=0), p3
 
 
-@pytest.mark.parametrize("kind,policy", [("dspark", "fixed"), ("dspark", "dspark"), ("dspark", "dspark-lagged"),
-                                         ("eagle3", "fixed"), ("dspark-reduced", "fixed")])
-def test_sampled_speculative_matches_target_distribution(tiny16, kind, policy):
+@pytest.mark.parametrize("kind,policy,draft_vocab", [("dspark", "fixed", None), ("dspark", "dspark", None),
+                                                     ("dspark", "dspark-lagged", None), ("eagle3", "fixed", None),
+                                                     ("dspark", "fixed", 10)])
+def test_sampled_speculative_matches_target_distribution(tiny16, kind, policy, draft_vocab):
     """Tokens 2 and 3 are produced by verification; their marginals must equal the target's, also
     when the scheduler picks each row's length from confidences that depend on its sampled draft
     tokens (the Markov head feeds the confidence head), and when the drafter's q lives on a reduced
     vocabulary (DraftOutput.support, spread over V only inside verification)."""
     temperature = 1.0
-    if kind == "dspark-reduced":  # 10 of the 16 ids, not a prefix, so the spread's order matters
-        kind = "dspark"
-        drafter = init_drafter(tiny16, kind, seed=2, block_size=3, draft_vocab_size=10)
-        ids = jax.random.permutation(jax.random.PRNGKey(8), 16)[:10].astype(jnp.int32)
+    drafter = init_drafter(tiny16, kind, seed=2, block_size=3, draft_vocab_size=draft_vocab)
+    if draft_vocab:  # draft_vocab of the 16 ids, not a prefix, so the spread's order matters
+        ids = jax.random.permutation(jax.random.PRNGKey(8), 16)[:draft_vocab].astype(jnp.int32)
         drafter = dataclasses.replace(drafter, params={**drafter.params, "draft_vocab": ids})
-    else:
-        drafter = init_drafter(tiny16, kind, seed=2, block_size=3)
     if kind == "dspark":  # give the Markov head a real effect so q differs from a plain DFlash
         head = drafter.params["head"]
         head["w2"] = 0.5 * jax.random.normal(jax.random.PRNGKey(5), head["w2"].shape)
