@@ -91,6 +91,11 @@ def test_inference_matches_training_unroll(setup):
             np.testing.assert_allclose(np.asarray(logits)[r, j], train[j, r, P[r] - 1], atol=1e-5, rtol=0)
     # Drafts differ across steps, so the comparison is not trivially satisfied.
     assert np.abs(train[1, :, P - 1] - train[0, :, P - 1]).max() > 1e-2
+    # The trainer's unroll at sampled rows only (steps 1.. on those rows alone) drafts alike.
+    rows = jnp.asarray(np.stack([P - 1, [3, 2]], axis=1), jnp.int32)  # [b, 2]: the anchor row, another
+    on_rows = np.asarray(_train(dparams, tparams, TCFG, DCFG, teacher, _features(tparams, teacher), None, rows))
+    assert on_rows.shape == (G, 2, 2, TCFG.vocab_size)
+    np.testing.assert_allclose(np.moveaxis(on_rows[:, :, 0], 0, 1), np.asarray(logits), atol=1e-5, rtol=0)
 
 
 def test_two_extends_match_one(setup):
@@ -178,6 +183,34 @@ def test_loss_value_and_gradients(setup):
         want += 0.8 ** j * (np.mean(terms) if terms else 0.0)
     got = eagle3.eagle3_loss(jnp.asarray(logits), jnp.asarray(toks), jnp.asarray(m))
     np.testing.assert_allclose(float(got), want, rtol=1e-5)
+
+
+def test_unroll_on_sampled_rows_matches_the_full_unroll(setup):
+    """Rows in any order, repeated, past the supervised span: the full unroll's logits at those
+    rows, and the loss over them the terms of those rows alone (a dropped row counts nothing)."""
+    tparams, dparams, tokens = setup
+    feats = _features(tparams, tokens)
+    full = np.asarray(_train(dparams, tparams, TCFG, DCFG, tokens, feats, 3))  # [S, b, T, V]
+    rows = jnp.array([[0, 5, 9, 3], [11, 2, 7, 7]], jnp.int32)  # any order, repeats allowed
+    got = np.asarray(_train(dparams, tparams, TCFG, DCFG, tokens, feats, 3, rows))
+    want = np.take_along_axis(full, np.asarray(rows)[None, :, :, None], axis=2)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    # The loss over rows, one row dropped, against the per-term numpy formula.
+    mask = np.asarray(jnp.broadcast_to(jnp.arange(T) >= 4, tokens.shape))
+    row_valid = np.array([[True, True, True, False], [True, True, True, True]])
+    toks, r = np.asarray(tokens), np.asarray(rows)
+    want_loss = 0.0
+    for j in range(3):
+        terms = []
+        for bi in range(2):
+            for ri in range(4):
+                i = r[bi, ri] + 2 + j
+                if row_valid[bi, ri] and i < T and mask[bi, i]:
+                    lg = got[j, bi, ri].astype(np.float64)
+                    terms.append(np.log(np.exp(lg - lg.max()).sum()) + lg.max() - lg[toks[bi, i]])
+        want_loss += 0.8 ** j * np.mean(terms)
+    loss = eagle3.eagle3_loss(jnp.asarray(got), tokens, jnp.asarray(mask), rows=rows, row_valid=jnp.asarray(row_valid))
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
 
 
 def test_sampling_path(setup):

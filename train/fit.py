@@ -51,7 +51,8 @@ class FitConfig:
     batch_size: int = 8
     """Sequences per step (global, over every device)."""
     anchors: int = 32
-    """Blocks per sequence (DSpark / DFlash), at random supervised positions."""
+    """Blocks per sequence (DSpark / DFlash), at random supervised positions; for EAGLE-3 the rows
+    whose training-time-test chain is unrolled (row i drafts from anchor i+1: the same terms)."""
     eagle_steps: int = 7
     """EAGLE-3 training-time-test unroll length."""
     steps: int = 1000
@@ -191,13 +192,16 @@ def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig, feature_pick):
         tokens, mask = batch["tokens"], batch["mask"]
         feats = batch["features"][:, :, feature_pick].astype(jnp.float32)  # [b, T, m, e]
         if kind == "eagle3":
-            logits = eagle3.train_draft_logits(params, target_params, tcfg, dcfg, tokens, feats, cfg.eagle_steps)
-            loss = eagle3.eagle3_loss(logits, tokens, mask, draft_vocab=draft_vocab, vocab_size=tcfg.vocab_size)
+            # Rows i whose first prediction, token i+2, is supervised; the same count per sequence
+            # as DSpark's anchors (row i drafts from anchor i+1), so both see the same terms.
+            rows, row_valid = sample_anchors(key, jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1),
+                                             cfg.anchors)
+            logits = eagle3.train_draft_logits(params, target_params, tcfg, dcfg, tokens, feats, cfg.eagle_steps,
+                                               rows)
+            loss = eagle3.eagle3_loss(logits, tokens, mask, draft_vocab=draft_vocab, vocab_size=tcfg.vocab_size,
+                                      rows=rows, row_valid=row_valid)
             # Greedy acceptance estimate per unrolled step: the argmax matches the (self-distilled) next token.
-            S, T = logits.shape[0], tokens.shape[1]
-            tgt_pos = jnp.arange(T)[None, :] + 2 + jnp.arange(S)[:, None]  # [S, T]
-            tgt = jnp.moveaxis(tokens[:, jnp.minimum(tgt_pos, T - 1)], 1, 0)  # [S, b, T]
-            ok = jnp.moveaxis(mask[:, jnp.minimum(tgt_pos, T - 1)], 1, 0) & (tgt_pos < T)[:, None, :]
+            tgt, ok = eagle3.unroll_targets(tokens, mask, logits.shape[0], rows, row_valid)  # [S, b, R]
             pred = jnp.argmax(logits, -1)
             if draft_vocab is not None:
                 pred = draft_vocab[pred]

@@ -213,72 +213,106 @@ def _attend_ctx_diag(q, ctx_k, ctx_v, diag_k, diag_v, mask):
 
 
 def train_hidden(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig,
-                 tokens: jax.Array, features: jax.Array, num_steps: int | None = None) -> jax.Array:
-    """Final-normed hidden states [num_steps, b, T, e] of the training-time-test unroll.
+                 tokens: jax.Array, features: jax.Array, num_steps: int | None = None,
+                 rows: jax.Array | None = None) -> jax.Array:
+    """Final-normed hidden states [num_steps, b, R, e] of the training-time-test unroll.
 
     Kept separate from the LM head so a trainer with a large vocabulary can compute the loss in
-    chunks instead of holding [num_steps, b, T, V] logits. tokens [b, T] and features [b, T, m, e]
-    start at position 0. Step j at position i reads token i+1+j (clipped at T-1; those positions
+    chunks instead of holding [num_steps, b, R, V] logits. tokens [b, T] and features [b, T, m, e]
+    start at position 0. Step j at row i reads token i+1+j (clipped at T-1; those positions
     are masked by the loss) and predicts token i+2+j.
+
+    rows [b, R] int32: the positions whose chains are unrolled (None: all T). Step 0 runs over
+    every position, since its keys are every later step's context; a chain past step 0 reads only
+    its own row's keys, so steps 1.. run on the R rows alone, with the same result at those rows
+    as the full unroll and about R / T of its cost (the trainer samples R anchors per sequence).
     """
     steps = dcfg.block_size if num_steps is None else num_steps
     b, total = tokens.shape
     lp = params["layer"]
     positions = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total))
-    causal = positions[:, None, :] <= positions[:, :, None]  # [b, T, T]
+    rows = positions if rows is None else rows.astype(jnp.int32)  # [b, R]
+    diag_k = diag_v = None  # [b, R, j, kv, d] once step 1 has run
+
+    def rows_of(a):  # [b, T, ...] -> [b, R, ...]
+        return jnp.take_along_axis(a, rows.reshape(rows.shape + (1,) * (a.ndim - 2)), axis=1)
+
+    # Step 0 over all positions: its K/V are the context of every later step.
     x = _fuse(params, features)  # [b, T, e]
-    kv_shape = (b, total, 0, tcfg.num_kv_heads, tcfg.head_dim)
-    diag_k = diag_v = jnp.zeros(kv_shape, x.dtype)  # [b, T, j, kv, d]
-    outs = []
-    for j in range(steps):  # static unroll over the (few) drafted steps, not over tokens
-        emb = embed(target_params, tokens[:, jnp.minimum(jnp.arange(total) + 1 + j, total - 1)])
-        q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x, emb), target_rope(tcfg, positions + j))
-        if j == 0:
-            ctx_k, ctx_v = k, v
-        else:
-            diag_k = jnp.concatenate([diag_k, k[:, :, None]], axis=2)
-            diag_v = jnp.concatenate([diag_v, v[:, :, None]], axis=2)
-        attn = linear(_attend_ctx_diag(q, ctx_k, ctx_v, diag_k, diag_v, causal).reshape(b, total, -1), lp["wo"])
+    emb = embed(target_params, tokens[:, jnp.minimum(jnp.arange(total) + 1, total - 1)])
+    q, ctx_k, ctx_v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x, emb), target_rope(tcfg, positions))
+    causal = positions[:, None, :] <= positions[:, :, None]  # [b, T, T]
+    empty = jnp.zeros((b, total, 0, tcfg.num_kv_heads, tcfg.head_dim), x.dtype)  # no own keys yet
+    attn = linear(_attend_ctx_diag(q, ctx_k, ctx_v, empty, empty, causal).reshape(b, total, -1), lp["wo"])
+    x = rows_of(mlp_residual(lp, tcfg, x + attn))  # [b, R, e]
+    outs = [rms_norm(x, params["final_norm"], tcfg.rms_norm_eps)]
+    seen = positions[:, None, :] <= rows[:, :, None]  # [b, R, T]: context a row's query may read
+    for j in range(1, steps):  # static unroll over the (few) drafted steps, not over tokens
+        emb = embed(target_params, jnp.take_along_axis(tokens, jnp.minimum(rows + 1 + j, total - 1), axis=1))
+        q, k, v = project_qkv(lp, tcfg, _layer_input(lp, tcfg, x, emb), target_rope(tcfg, rows + j))
+        diag_k = k[:, :, None] if diag_k is None else jnp.concatenate([diag_k, k[:, :, None]], axis=2)
+        diag_v = v[:, :, None] if diag_v is None else jnp.concatenate([diag_v, v[:, :, None]], axis=2)
+        attn = linear(_attend_ctx_diag(q, ctx_k, ctx_v, diag_k, diag_v, seen).reshape(b, rows.shape[1], -1),
+                      lp["wo"])
         x = mlp_residual(lp, tcfg, x + attn)
         outs.append(rms_norm(x, params["final_norm"], tcfg.rms_norm_eps))
     return jnp.stack(outs)
 
 
 def train_forward(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig,
-                  tokens: jax.Array, features: jax.Array, num_steps: int | None = None) -> jax.Array:
-    """Training-time-test logits [num_steps, b, T, V]: step j at position i predicts tokens[i+2+j]
+                  tokens: jax.Array, features: jax.Array, num_steps: int | None = None,
+                  rows: jax.Array | None = None) -> jax.Array:
+    """Training-time-test logits [num_steps, b, R, V]: step j at row i predicts tokens[i+2+j]
     (-inf outside a reduced draft vocabulary)."""
     return vocab.to_full_vocab(params, tcfg.vocab_size,
-                               train_draft_logits(params, target_params, tcfg, dcfg, tokens, features, num_steps))
+                               train_draft_logits(params, target_params, tcfg, dcfg, tokens, features, num_steps,
+                                                  rows))
 
 
 def train_draft_logits(params: dict, target_params: dict, tcfg: ModelConfig, dcfg: DrafterConfig,
-                       tokens: jax.Array, features: jax.Array, num_steps: int | None = None) -> jax.Array:
-    """train_forward's logits over the draft ids only: [num_steps, b, T, N] (what the trainer
+                       tokens: jax.Array, features: jax.Array, num_steps: int | None = None,
+                       rows: jax.Array | None = None) -> jax.Array:
+    """train_forward's logits over the draft ids only: [num_steps, b, R, N] (what the trainer
     uses with eagle3_loss(..., draft_vocab=...), keeping [.., V] arrays out of the backward pass)."""
-    hidden = train_hidden(params, target_params, tcfg, dcfg, tokens, features, num_steps)
+    hidden = train_hidden(params, target_params, tcfg, dcfg, tokens, features, num_steps, rows)
     return vocab.draft_logits(params, target_params, hidden)
 
 
-def eagle3_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array, decay: float = STEP_DECAY,
-                draft_vocab: jax.Array | None = None, vocab_size: int | None = None) -> jax.Array:
-    """sum_j decay^j * mean CE(logits[j, :, i], tokens[i+2+j]) over supervised targets.
+def unroll_targets(tokens: jax.Array, mask: jax.Array, steps: int, rows: jax.Array | None = None,
+                   row_valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """What step j at row i is trained to predict, tokens[i+2+j], and whether that term counts:
+    ([S, b, R] ids, [S, b, R] bool). tokens, mask [b, T]; rows [b, R] (None: all T positions);
+    row_valid [b, R] drops whole rows (a sequence with fewer eligible rows than R)."""
+    b, total = tokens.shape
+    if rows is None:
+        rows = jnp.broadcast_to(jnp.arange(total, dtype=jnp.int32), (b, total))
+    target_index = rows[None] + 2 + jnp.arange(steps, dtype=jnp.int32)[:, None, None]  # [S, b, R]
+    clipped = jnp.minimum(target_index, total - 1)
+    pick = jax.vmap(lambda a, idx: jnp.take_along_axis(a, idx, axis=1), in_axes=(None, 0))
+    valid = pick(mask, clipped) & (target_index < total)
+    if row_valid is not None:
+        valid = valid & row_valid[None]
+    return pick(tokens, clipped), valid
 
-    logits [S, b, T, V], or [S, b, T, N] over `draft_vocab` [N] (then `vocab_size` is needed);
-    tokens [b, T]; mask [b, T] marks supervised target tokens (e.g. assistant tokens): the term
-    (j, i) counts when i+2+j < T and mask[i+2+j] and the target is one the drafter can emit.
-    Each step is averaged over its own valid terms, then weighted.
+
+def eagle3_loss(logits: jax.Array, tokens: jax.Array, mask: jax.Array, decay: float = STEP_DECAY,
+                draft_vocab: jax.Array | None = None, vocab_size: int | None = None,
+                rows: jax.Array | None = None, row_valid: jax.Array | None = None) -> jax.Array:
+    """sum_j decay^j * mean CE(logits[j, :, r], tokens[rows[r]+2+j]) over supervised targets.
+
+    logits [S, b, R, V], or [S, b, R, N] over `draft_vocab` [N] (then `vocab_size` is needed);
+    tokens [b, T]; mask [b, T] marks supervised target tokens (e.g. assistant tokens); rows [b, R]
+    as in train_hidden (None: all T). The term (j, r) counts when rows[r]+2+j < T, that token is
+    supervised, its row is valid and it is one the drafter can emit. Each step is averaged over
+    its own valid terms, then weighted.
     """
     if draft_vocab is not None:
         index = draft_index(draft_vocab, vocab_size)
         mask = mask & (index[tokens] >= 0)
         tokens = jnp.maximum(index[tokens], 0)
-    steps, _, total, _ = logits.shape
-    target_index = jnp.arange(total)[None, :] + 2 + jnp.arange(steps)[:, None]  # [S, T]
-    clipped = jnp.minimum(target_index, total - 1)
-    targets = jnp.moveaxis(tokens[:, clipped], 1, 0)  # [S, b, T]
-    valid = jnp.moveaxis(mask[:, clipped], 1, 0) & (target_index < total)[:, None, :]  # [S, b, T]
+    steps = logits.shape[0]
+    targets, valid = unroll_targets(tokens, mask, steps, rows, row_valid)  # [S, b, R]
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [S, b, T]
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [S, b, R]
     per_step = jnp.sum(nll * valid, axis=(1, 2)) / jnp.maximum(jnp.sum(valid, axis=(1, 2)), 1)
     return jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * per_step)
