@@ -85,11 +85,12 @@ def test_prompt_longer_than_context_is_refused(real_target):
         generate(real_target, [[1] * 8190], max_new_tokens=8)
 
 
-def test_greedy_speculative_equals_plain_on_real_model(real_target):
-    """The trained DSpark drafter (some drafts accepted, some rejected) gives plain greedy's tokens."""
+@pytest.mark.parametrize("name", ["smollm2-135m-dspark", "smollm2-135m-dflash", "smollm2-135m-eagle3"])
+def test_greedy_speculative_equals_plain_on_real_model(real_target, name):
+    """Each shipped drafter (some drafts accepted, some rejected) gives plain greedy's tokens."""
     from dspark_jax.drafters import load_drafter
 
-    drafter = load_drafter("smollm2-135m-dspark", real_target)
+    drafter = load_drafter(name, real_target)
     prompts = PROMPTS + ["Repeat after me: one two three, one two three, one two three."]
     plain = generate(real_target, prompts, max_new_tokens=32)
     spec = generate(real_target, prompts, max_new_tokens=32, drafter=drafter, profile=False)
