@@ -39,13 +39,22 @@ def _exported(path):
 def dspark_run(tiny_train_data, tmp_path_factory):
     """One uninterrupted 4-step DSpark run (checkpoints every 2 steps), shared by the tests below."""
     out = tmp_path_factory.mktemp("dspark_run") / "whole"
-    return fit.run(_cfg(tiny_train_data, out)), out
+    return fit.run(_cfg(tiny_train_data, out, eval_every=2)), out
 
 
-def _check_run(out, summary, kind, steps):
+def _check_run(out, summary, kind, steps, evaluated=None):
     rows = fit.read_log(os.path.join(out, "log.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(np.isfinite(r["loss"]) for r in rows)
+    # Validation terms at every eval_every-th step and the last one, beside the training terms.
+    assert [r["step"] for r in rows if "val_loss" in r] == (evaluated or [steps])
+    for r in rows:
+        if "val_loss" in r:
+            assert np.isfinite(r["val_loss"]) and {k for k in r if k.startswith("val_")} == \
+                {f"val_{k}" for k in r if k not in ("grad_norm", "lr", "step", "seconds", "tokens")
+                 and not k.startswith("val_")}
+            v = np.asarray(r["val_accept_top1_per_pos"])
+            assert v.shape == (3,) and ((0 <= v) & (v <= 1)).all()
     assert rows[-1]["loss"] < rows[0]["loss"]  # a few steps at a high rate on a tiny set
     per_pos = np.asarray(rows[-1]["accept_top1_per_pos"])
     assert per_pos.shape == (3,) and ((0 <= per_pos) & (per_pos <= 1)).all()
@@ -58,7 +67,7 @@ def _check_run(out, summary, kind, steps):
 
 def test_dspark_trains_and_exports(dspark_run):
     summary, out = dspark_run
-    _check_run(out, summary, "dspark", 4)
+    _check_run(out, summary, "dspark", 4, evaluated=[2, 4])
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
@@ -69,10 +78,12 @@ def test_other_drafters_train_and_export(tiny_train_data, tmp_path, kind):
 
 def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_path, dspark_run):
     whole, whole_out = dspark_run
-    cfg = _cfg(tiny_train_data, tmp_path / "split", stop_after=2)
+    # The first half validates at every step, the whole run every other one: evaluating must
+    # not change training, and the same step's validation terms must be the same numbers.
+    cfg = _cfg(tiny_train_data, tmp_path / "split", stop_after=2, eval_every=1)
     first = fit.run(cfg)
     assert first["step"] == 2 and "drafter" not in first
-    second = fit.run(_cfg(tiny_train_data, tmp_path / "split"))
+    second = fit.run(_cfg(tiny_train_data, tmp_path / "split", eval_every=2))
     assert second["step"] == 4
     a, b = _exported(whole["drafter"]), _exported(second["drafter"])
     assert a.keys() == b.keys()
@@ -82,6 +93,8 @@ def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_pat
     la = fit.read_log(os.path.join(whole_out, "log.jsonl"))
     lb = fit.read_log(os.path.join(tmp_path / "split", "log.jsonl"))
     assert [r["loss"] for r in la] == [r["loss"] for r in lb]
+    assert [r["step"] for r in lb if "val_loss" in r] == [1, 2, 4]
+    assert [r["val_loss"] for r in la if "val_loss" in r] == [r["val_loss"] for r in lb if r["step"] in (2, 4)]
     # Other settings into the same run folder are refused.
     with pytest.raises(SystemExit, match="other settings"):
         fit.run(_cfg(tiny_train_data, tmp_path / "split", lr=1e-3, steps=6))

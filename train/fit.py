@@ -67,6 +67,11 @@ class FitConfig:
     save_every: int = 100
     keep: int = 3
     log_every: int = 10
+    eval_every: int = 50
+    """Validation losses every this many steps (0: never), logged as `val_*` beside the training terms."""
+    eval_batches: int = 4
+    """Validation batches of batch_size sequences each: the split's first rows, anchors fixed, so
+    every evaluation of a run (and of a resumed run) measures the same terms."""
     mesh: str = "data=1"
     distributed: bool = False
     init_layers: str = "random"
@@ -114,9 +119,11 @@ def check_config(cfg: FitConfig) -> None:
     if cfg.drafter not in KINDS:
         raise SystemExit(f"--drafter must be one of {', '.join(KINDS)}, got {cfg.drafter!r}")
     for name in ("steps", "batch_size", "seq_len", "anchors", "block_size", "eagle_steps", "save_every", "keep",
-                 "log_every"):
+                 "log_every", "eval_batches"):
         if getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.eval_every < 0:
+        raise SystemExit(f"--eval-every must be >= 0 (0: no validation), got {cfg.eval_every}")
     if cfg.init_layers not in ("random", "target"):
         raise SystemExit(f"--init-layers must be random or target, got {cfg.init_layers!r}")
     if cfg.init_layers == "target" and cfg.drafter == "eagle3":
@@ -273,6 +280,7 @@ class Training:
     frozen: dict
     target_params: dict
     step_fn: object
+    eval_fn: object
     state_shardings: dict
     batch_sharding: object
     dcfg: object
@@ -323,8 +331,15 @@ def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
                "step": state["step"] + 1}
         return new, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"])}
 
+    def eval_step(params, frozen, target_params, batch, index):
+        # A key of its own, fixed per validation batch: the same anchors at every evaluation.
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed + 1), index)
+        loss, metrics = loss_fn(params, frozen, target_params, batch, key)
+        return {**metrics, "loss": loss}
+
     step_fn = jax.jit(train_step, donate_argnums=0, out_shardings=(state_shardings, replicated))
-    return Training(state=state, frozen=frozen, target_params=target_params, step_fn=step_fn,
+    eval_fn = jax.jit(eval_step, out_shardings=replicated)
+    return Training(state=state, frozen=frozen, target_params=target_params, step_fn=step_fn, eval_fn=eval_fn,
                     state_shardings=state_shardings, batch_sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
                     dcfg=dcfg)
 
@@ -394,6 +409,19 @@ def run(cfg: FitConfig) -> dict:
     if cfg.draft_vocab_size is not None:
         draft_vocab = data_lib.load_draft_vocab(cfg.data, cfg.draft_vocab_size)
     t = build(cfg, target, mesh, draft_vocab)
+    val_batches = []
+    if cfg.eval_every:
+        val_data = SequenceData(cfg.data, cfg.feature_layers, "validation", cfg.seq_len)
+        for i in range(cfg.eval_batches):  # the split's first rows, wrapping round a small split
+            host = val_data.batch(np.arange(i * cfg.batch_size, (i + 1) * cfg.batch_size) % len(val_data),
+                                  dcfg.target_layer_ids)
+            val_batches.append(jax.device_put(_batch_arrays(host), t.batch_sharding))
+
+    def validate(params) -> dict:
+        """Mean of each metric over the validation batches, keys prefixed `val_`."""
+        rows = [jax.device_get(t.eval_fn(params, t.frozen, t.target_params, b, i)) for i, b in enumerate(val_batches)]
+        return {f"val_{k}": np.mean([np.asarray(r[k]) for r in rows], axis=0).tolist() for k in rows[0]}
+
     state, frozen, target_params, step_fn, state_shardings = (t.state, t.frozen, t.target_params, t.step_fn,
                                                               t.state_shardings)
     batch_sharding = t.batch_sharding
@@ -425,11 +453,13 @@ def run(cfg: FitConfig) -> dict:
     with open(log_path, "a") as log, tqdm(total=cfg.steps, initial=start, desc=f"fit {cfg.drafter}", unit="step") as bar:
         for step in range(start, end):
             host = train_data.batch(train_data.indices(cfg.seed, step, cfg.batch_size), dcfg.target_layer_ids)
-            batch = jax.device_put({"tokens": host.tokens, "mask": host.mask, "features": host.features,
-                                    "hidden": host.hidden, "teacher_lse": host.teacher_lse}, batch_sharding)
+            batch = jax.device_put(_batch_arrays(host), batch_sharding)
             state, metrics = step_fn(state, frozen, target_params, batch)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == end:
+            evaluate = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == end or evaluate:
                 row = {k: np.asarray(v).tolist() for k, v in jax.device_get(metrics).items()}
+                if evaluate:
+                    row.update(validate(state["params"]))
                 row.update(step=step + 1, seconds=time.perf_counter() - t0, tokens=(step + 1) * tokens_per_step)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -456,6 +486,12 @@ def run(cfg: FitConfig) -> dict:
         manager.wait_until_finished()
     manager.close()
     return summary
+
+
+def _batch_arrays(host) -> dict:
+    """A loader Batch as the dict the step and the evaluation take."""
+    return {"tokens": host.tokens, "mask": host.mask, "features": host.features, "hidden": host.hidden,
+            "teacher_lse": host.teacher_lse}
 
 
 def _config_key(cfg: FitConfig) -> dict:
@@ -486,12 +522,20 @@ def plot_curves(log_path: str, png_path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for k in terms:
         axes[0].plot(x, [r[k] for r in rows], label=k)
+    val = [r for r in rows if "val_loss" in r]
+    if val:
+        axes[0].plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "ko-", markersize=3, label="validation loss")
     axes[0].set_title("loss terms")
     for key, style in (("accept_top1_per_pos", "-"), ("accept_tv_per_pos", "--")):
         if key in rows[0]:
             per = np.asarray([r[key] for r in rows])
             for j in range(per.shape[1]):
-                axes[1].plot(x, per[:, j], style, label=f"{key.split('_')[1]} k={j + 1}")
+                axes[1].plot(x, per[:, j], style, color=f"C{j}", label=f"{key.split('_')[1]} k={j + 1}")
+    if val:
+        per = np.asarray([r["val_accept_top1_per_pos"] for r in val])
+        for j in range(per.shape[1]):
+            axes[1].plot([r["tokens"] for r in val], per[:, j], "o:", color=f"C{j}", markersize=3,
+                         label=f"validation top1 k={j + 1}")
     axes[1].set_title("estimated acceptance per position")
     axes[2].plot(x, [r["lr"] for r in rows])
     axes[2].set_title("learning rate")
