@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 
 import pytest
 
@@ -11,6 +13,37 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # The suite is dominated by compiling many small programs; LLVM's lowest optimisation level
 # compiles them about 2.5x faster (set before JAX starts; benchmarks keep the default).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Many tests build Engines over the same tiny models, and each Engine's programs are new closures,
+# so the in-memory jit cache misses and XLA compiles identical HLO again. A persistent cache,
+# shared by the xdist workers and the subprocesses the tests start (they inherit this
+# environment), compiles each program once. Keys include the JAX version and the flags above.
+# The no-recompile tests count a cache retrieval as a compile.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dspark-jax-tests-xla-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+# What a program that was not compiled before leaves: a backend compile, or with the persistent
+# cache above, a retrieval from it (the program was traced and lowered again all the same).
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+
+
+@contextlib.contextmanager
+def recorded_compiles():
+    """Yields the list of compile events (COMPILE_EVENTS) that happen while the block runs."""
+    import jax
+
+    events: list[str] = []
+
+    def listener(event, duration, **kwargs):
+        if event in COMPILE_EVENTS:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def make_tiny_hf_model(directory: str, family: str, tie: bool, seed: int = 0, **overrides):
