@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import queue
 import signal
 import sys
@@ -268,7 +269,14 @@ def serve(config: ServeConfig) -> int:
             server.drain(config.drain_seconds)
             server.stop()
         log.info("stopped during start-up after %.1f s (a signal before serving)", time.perf_counter() - t0)
-        return 0
+        # Exit here, without the interpreter's teardown: the signal unwound the start-up between
+        # compiles, and tearing down while XLA still holds that work crashed the process (SIGSEGV
+        # after this line, 3 of 4 tries with JAX's persistent compilation cache on). Nothing is
+        # left to finalise: no request was accepted and the server, if any, is stopped.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     log.info("SERVING: model %s, drafter %s, policy %s, %d slots, context %d; warmup %.1f s, start-up %.1f s",
              config.model, drafter_name, engine.policy, engine.slots, engine.max_len, warm, time.perf_counter() - t0)
     while not stop.wait(1.0):
