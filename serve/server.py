@@ -240,7 +240,8 @@ def serve(config: ServeConfig) -> int:
 
     A signal during start-up (loading, minutes of compiling) stops it there instead of after the
     warmup: every request so far was refused as UNAVAILABLE, so there is nothing to drain, and an
-    orchestrator's SIGKILL deadline (Kubernetes: 30 s) is not reached."""
+    orchestrator's SIGKILL deadline (Kubernetes: 30 s) is not reached. That path ends the process
+    itself with status 0 (os._exit, see there) instead of returning."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax"):  # checkpoint-reading and backend-probing chatter
         logging.getLogger(noisy).setLevel(logging.WARNING)

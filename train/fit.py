@@ -415,7 +415,7 @@ def run(cfg: FitConfig) -> dict:
         for i in range(cfg.eval_batches):  # the split's first rows, wrapping round a small split
             host = val_data.batch(np.arange(i * cfg.batch_size, (i + 1) * cfg.batch_size) % len(val_data),
                                   dcfg.target_layer_ids)
-            val_batches.append(jax.device_put(_batch_arrays(host), t.batch_sharding))
+            val_batches.append(jax.device_put(vars(host), t.batch_sharding))  # the Batch's fields by name
 
     def validate(params) -> dict:
         """Mean of each metric over the validation batches, keys prefixed `val_`."""
@@ -453,7 +453,7 @@ def run(cfg: FitConfig) -> dict:
     with open(log_path, "a") as log, tqdm(total=cfg.steps, initial=start, desc=f"fit {cfg.drafter}", unit="step") as bar:
         for step in range(start, end):
             host = train_data.batch(train_data.indices(cfg.seed, step, cfg.batch_size), dcfg.target_layer_ids)
-            batch = jax.device_put(_batch_arrays(host), batch_sharding)
+            batch = jax.device_put(vars(host), batch_sharding)  # the Batch's fields by name
             state, metrics = step_fn(state, frozen, target_params, batch)
             evaluate = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
             if (step + 1) % cfg.log_every == 0 or step + 1 == end or evaluate:
@@ -486,12 +486,6 @@ def run(cfg: FitConfig) -> dict:
         manager.wait_until_finished()
     manager.close()
     return summary
-
-
-def _batch_arrays(host) -> dict:
-    """A loader Batch as the dict the step and the evaluation take."""
-    return {"tokens": host.tokens, "mask": host.mask, "features": host.features, "hidden": host.hidden,
-            "teacher_lse": host.teacher_lse}
 
 
 def _config_key(cfg: FitConfig) -> dict:
