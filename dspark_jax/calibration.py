@@ -73,15 +73,29 @@ def survival_labels(accepted: np.ndarray, block_size: int) -> np.ndarray:
     return (np.asarray(accepted)[:, None] >= np.arange(1, block_size + 1)[None, :]).astype(np.float64)
 
 
-def fit_sts(z: np.ndarray, survival: np.ndarray, grid: np.ndarray = TEMPERATURE_GRID) -> np.ndarray:
-    """Temperatures [G] fitted left to right by ECE over `grid` (z, survival: [n, G])."""
+MIN_EVENTS = 20
+
+
+def fit_sts(z: np.ndarray, survival: np.ndarray, grid: np.ndarray = TEMPERATURE_GRID,
+            min_events: int = MIN_EVENTS) -> np.ndarray:
+    """Temperatures [G] fitted left to right by ECE over `grid` (z, survival: [n, G]).
+
+    A position with fewer than `min_events` survivals (or fewer than that many failures) keeps the
+    temperature of the position before it (1 at the first): with a handful of events the ECE
+    minimum is noise, and the fit used to land on the grid's ends there.
+    """
     z = np.asarray(z, np.float64)
+    survival = np.asarray(survival, np.float64)
     g = z.shape[1]
     temps = np.ones(g)
     prefix = np.ones(len(z))  # prod_{i < k} sigmoid(z_i / T_i) with the fitted T_i
     for k in range(g):
-        scores = [ece(prefix / (1.0 + np.exp(-z[:, k] / t)), survival[:, k]) for t in grid]
-        temps[k] = grid[int(np.argmin(scores))]
+        events = survival[:, k].sum()
+        if min(events, len(z) - events) < min_events:
+            temps[k] = temps[k - 1] if k else 1.0
+        else:
+            scores = [ece(prefix / (1.0 + np.exp(-z[:, k] / t)), survival[:, k]) for t in grid]
+            temps[k] = grid[int(np.argmin(scores))]
         prefix = prefix / (1.0 + np.exp(-z[:, k] / temps[k]))
     return temps
 

@@ -32,6 +32,18 @@ def test_sts_recovers_known_temperatures_and_lowers_ece():
     assert all(a["brier"] <= b["brier"] + 1e-4 for a, b in zip(after, before))
 
 
+def test_sts_keeps_the_previous_temperature_where_events_are_too_few():
+    """Position 4 survives in 5 of 20000 rounds: its fit would be noise, so it inherits T_3."""
+    z, accepted, true_t = _miscalibrated()
+    accepted = np.minimum(accepted, 3)
+    accepted[:5] = 4
+    survival = cal.survival_labels(accepted, z.shape[1])
+    temps = cal.fit_sts(z, survival)
+    np.testing.assert_allclose(temps[:3], true_t[:3], rtol=0.15)
+    assert temps[3] == temps[2]
+    assert cal.fit_sts(z, survival, min_events=0)[3] != temps[2]  # the unguarded fit goes elsewhere
+
+
 def test_survival_labels_and_jnp_form():
     np.testing.assert_array_equal(cal.survival_labels(np.array([0, 2, 3]), 3),
                                   [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
