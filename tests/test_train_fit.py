@@ -225,3 +225,28 @@ def test_cached_teacher_normaliser_is_the_logsumexp_of_the_lm_head(tiny_train_da
     top = logits.max(-1)
     want = top + np.log(np.exp(logits - top[:, None]).sum(-1))
     np.testing.assert_allclose(lse, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_features_equal_each_rows_own_forward(tiny_train_data):
+    """Rows batched at a padded length give the features of an unpadded forward of the row alone
+    (padding sits after the row, where causal attention keeps it out), bucketed to multiples of 64."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from dspark_jax.models.transformer import forward
+    from train import data as data_lib
+    from train import features as features_lib
+
+    assert [features_lib.length_bucket(n) for n in (1, 64, 65, 300, 448)] == [64, 64, 128, 320, 448]
+    target = data_lib.data_target(tiny_train_data, None)
+    shard = data_lib.shard_paths(tiny_train_data, "train")[0]
+    bits = np.load(features_lib.feature_path(tiny_train_data, (0, 1), "train", shard))
+    start = 0
+    for row in data_lib.read_shard(shard):
+        toks = jnp.asarray(row["tokens"], jnp.int32)[None, :]
+        hidden, _, feats = forward(target.params, target.config, toks, jnp.arange(toks.shape[1])[None, :], None, (0, 1))
+        want = np.concatenate([np.asarray(feats[0]), np.asarray(hidden[0])[:, None, :]], axis=1)  # [n, m+1, e]
+        got = bits[start:start + toks.shape[1]].view(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)  # bf16 storage
+        start += toks.shape[1]
+    assert start == bits.shape[0]
