@@ -90,20 +90,9 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
     """[sum of row lengths, m + 1, e] bf16 bits: the layers' outputs and the final hidden state of
     every token, rows in order. Rows are batched by length bucket (padding goes at the end, where
     causal attention keeps it from the real tokens)."""
-    import jax
-    import jax.numpy as jnp
-
     from dspark_jax.engine import pow2
-    from dspark_jax.models.transformer import forward
 
-    cfg, params = target.config, target.params
-
-    @jax.jit
-    def run(params, tokens):
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        hidden, _, feats = forward(params, cfg, tokens, positions, None, tuple(layers))
-        return jnp.concatenate([feats, hidden[:, :, None, :]], axis=2).astype(jnp.bfloat16)  # [b, T, m+1, e]
-
+    params, run = target.params, _feature_program(target.config, tuple(layers))
     out: list = [None] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["tokens"]))
     start = 0
@@ -121,6 +110,24 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
         for j, i in enumerate(group):
             out[i] = feats[j, :len(rows[i]["tokens"])]
     return np.concatenate(out, axis=0)
+
+
+@functools.cache
+def _feature_program(cfg, layers: tuple[int, ...]):
+    """One jitted forward per (model, layers) for every shard: a function made per call compiled
+    every padded shape again for every shard (about as long as computing the shard here)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.models.transformer import forward
+
+    @jax.jit
+    def run(params, tokens):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        hidden, _, feats = forward(params, cfg, tokens, positions, None, layers)
+        return jnp.concatenate([feats, hidden[:, :, None, :]], axis=2).astype(jnp.bfloat16)  # [b, T, m+1, e]
+
+    return run
 
 
 @functools.cache
