@@ -3,6 +3,7 @@ transparent, and a trained drafter goes through calibrate and evaluate (end to e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -250,3 +251,23 @@ def test_cached_features_equal_each_rows_own_forward(tiny_train_data):
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)  # bf16 storage
         start += toks.shape[1]
     assert start == bits.shape[0]
+
+
+def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
+    """--train-shards K reads the split's first K shards only (their rows, in order), and a run
+    with it is a different run from one over all shards (resume key)."""
+    from train import data as data_lib
+    from train.loader import SequenceData
+
+    shards = data_lib.shard_paths(tiny_train_data, "train")
+    assert len(shards) >= 2
+    first = SequenceData(tiny_train_data, (0, 1), "train", 64, max_shards=1)
+    whole = SequenceData(tiny_train_data, (0, 1), "train", 64)
+    assert len(first) == len(data_lib.read_shard(shards[0])) < len(whole)
+    for a, b in zip(first.rows, whole.rows):
+        np.testing.assert_array_equal(a[0], b[0])
+    with pytest.raises(ValueError, match="max_shards"):
+        SequenceData(tiny_train_data, (0, 1), "train", 64, max_shards=0)
+    base = _cfg(tiny_train_data, "unused")
+    assert fit._config_key(base) != fit._config_key(dataclasses.replace(base, train_shards=1))
+    assert "train_shards" not in fit._config_key(base)  # runs saved before the field still resume

@@ -50,6 +50,8 @@ class FitConfig:
     seq_len: int = 512
     batch_size: int = 8
     """Sequences per step (global, over every device)."""
+    train_shards: int | None = None
+    """Train on the first this many shards of the train split only (data-scaling runs); default all."""
     anchors: int = 32
     """Blocks per sequence (DSpark / DFlash), at random supervised positions; for EAGLE-3 the rows
     whose training-time-test chain is unrolled (row i drafts from anchor i+1: the same terms)."""
@@ -119,8 +121,8 @@ def check_config(cfg: FitConfig) -> None:
     if cfg.drafter not in KINDS:
         raise SystemExit(f"--drafter must be one of {', '.join(KINDS)}, got {cfg.drafter!r}")
     for name in ("steps", "batch_size", "seq_len", "anchors", "block_size", "eagle_steps", "save_every", "keep",
-                 "log_every", "eval_batches"):
-        if getattr(cfg, name) < 1:
+                 "log_every", "eval_batches", "train_shards"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.eval_every < 0:
         raise SystemExit(f"--eval-every must be >= 0 (0: no validation), got {cfg.eval_every}")
@@ -400,7 +402,7 @@ def run(cfg: FitConfig) -> dict:
     target = data_lib.data_target(cfg.data, cfg.model)
     tcfg = target.config
     dcfg = drafter_config(cfg, tcfg)
-    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len)
+    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards)
     devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % devices_on_batch:
         raise SystemExit(f"--batch-size {cfg.batch_size} must divide evenly over data x fsdp = {devices_on_batch}")
@@ -493,7 +495,10 @@ def _config_key(cfg: FitConfig) -> dict:
     keys = ("drafter", "data", "feature_layers", "draft_vocab_size", "num_layers", "head_type", "head_rank",
             "target_layer_ids", "block_size", "seq_len", "batch_size", "anchors", "eagle_steps", "steps", "lr",
             "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "temperature", "seed")
-    return json.loads(json.dumps({k: getattr(cfg, k) for k in keys}))
+    key = {k: getattr(cfg, k) for k in keys}
+    if cfg.train_shards is not None:  # only when set, so runs saved before the field existed still resume
+        key["train_shards"] = cfg.train_shards
+    return json.loads(json.dumps(key))
 
 
 def read_log(path: str) -> list[dict]:

@@ -28,7 +28,9 @@ class Batch:
 class SequenceData:
     """One split's sequences with their cached features, cropped to `seq_len` tokens."""
 
-    def __init__(self, data_dir: str, layers: Sequence[int], split: str, seq_len: int):
+    def __init__(self, data_dir: str, layers: Sequence[int], split: str, seq_len: int, max_shards: int | None = None):
+        """`max_shards`: only the split's first that many shards (data-scaling runs; their
+        features are all that must exist)."""
         self.seq_len = seq_len
         self.layers = tuple(layers)
         # (tokens, prompt_len, feature bits [T, m+1, e], teacher log-normaliser [T])
@@ -36,6 +38,10 @@ class SequenceData:
         shards = data_lib.shard_paths(data_dir, split)
         if not shards:
             raise FileNotFoundError(f"{data_dir}/{split}: no data shards (python -m train.data --out {data_dir})")
+        if max_shards is not None:
+            if max_shards < 1:
+                raise ValueError(f"max_shards must be >= 1, got {max_shards}")
+            shards = shards[:max_shards]
         for shard in shards:
             path = features_lib.feature_path(data_dir, layers, split, shard)
             try:
