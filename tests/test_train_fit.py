@@ -230,7 +230,7 @@ def test_cached_teacher_normaliser_is_the_logsumexp_of_the_lm_head(tiny_train_da
 
 def test_cached_features_equal_each_rows_own_forward(tiny_train_data):
     """Rows batched at a padded length give the features of an unpadded forward of the row alone
-    (padding sits after the row, where causal attention keeps it out), bucketed to multiples of 64."""
+    (padding sits after the row, where causal attention keeps it out); short rows pad to multiples of 64."""
     import jax.numpy as jnp
     import ml_dtypes
 
@@ -266,8 +266,9 @@ def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
     assert len(first) == len(data_lib.read_shard(shards[0])) < len(whole)
     for a, b in zip(first.rows, whole.rows):
         np.testing.assert_array_equal(a[0], b[0])
-    with pytest.raises(ValueError, match="max_shards"):
-        SequenceData(tiny_train_data, (0, 1), "train", 64, max_shards=0)
+    for bad in (0, len(shards) + 1):
+        with pytest.raises(ValueError, match="max_shards"):
+            SequenceData(tiny_train_data, (0, 1), "train", 64, max_shards=bad)
     base = _cfg(tiny_train_data, "unused")
     assert fit._config_key(base) != fit._config_key(dataclasses.replace(base, train_shards=1))
     assert "train_shards" not in fit._config_key(base)  # runs saved before the field still resume

@@ -76,14 +76,12 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     return np.asarray(bits).view(ml_dtypes.bfloat16)
 
 
-LENGTH_STEP = 64
-
-
 def length_bucket(n: int) -> int:
-    """The padded length a row of n tokens is computed at: the next multiple of 64. Powers of two
-    padded the default data's 1.04M tokens to 1.61M (a 300-token row ran at 512); multiples of 64
-    pad them to 1.13M for a few more compiled shapes (one per multiple up to the longest row)."""
-    return max(LENGTH_STEP, -(-n // LENGTH_STEP) * LENGTH_STEP)
+    """The padded length a row of n tokens is computed at: multiples of 64 up to 512, then
+    eighths of the enclosing power of two (prompts.bucket)."""
+    from dspark_jax.prompts import bucket
+
+    return bucket(n, minimum=64)
 
 
 def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens: int) -> np.ndarray:
@@ -115,7 +113,7 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
 @functools.cache
 def _feature_program(cfg, layers: tuple[int, ...]):
     """One jitted forward per (model, layers) for every shard: a function made per call compiled
-    every padded shape again for every shard (about as long as computing the shard here)."""
+    every padded shape again for every shard."""
     import jax
     import jax.numpy as jnp
 

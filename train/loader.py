@@ -39,8 +39,9 @@ class SequenceData:
         if not shards:
             raise FileNotFoundError(f"{data_dir}/{split}: no data shards (python -m train.data --out {data_dir})")
         if max_shards is not None:
-            if max_shards < 1:
-                raise ValueError(f"max_shards must be >= 1, got {max_shards}")
+            if not 1 <= max_shards <= len(shards):
+                raise ValueError(f"max_shards must be in [1, {len(shards)}] ({data_dir}/{split} has "
+                                 f"{len(shards)} shards), got {max_shards}")
             shards = shards[:max_shards]
         for shard in shards:
             path = features_lib.feature_path(data_dir, layers, split, shard)
