@@ -8,7 +8,10 @@ feature cache, and the drafters' training steps, measured side by side in one ru
    feature layers and the final hidden state (what a step would compute under stop_gradient);
 2. cached teacher: reading the same arrays for a batch from a bf16 .npy file (memory-mapped),
    as train/loader.py does;
-3. one optimizer step of each drafter (the configs in train/configs) on that batch.
+3. one optimizer step of each drafter (the configs in train/configs) on that batch, with its
+   operation count (XLA's cost analysis of the compiled step) and the rate it reached, beside
+   4. a plain float32 matmul of the drafter LM head's shape: the rate this machine's matmuls reach,
+   so a step near it can only get faster by doing less work.
 Every figure is tokens per second of training sequence; ratios are within this one run.
 """
 
@@ -82,13 +85,27 @@ def main() -> None:
         steps[kind] = fit.time_step(cfg, target, rows, feats, args.repeats)
     step_tokens = args.batch_size * args.seq_len
 
-    print("\n| what | seconds | tokens/s |\n|---|--:|--:|")
-    print(f"| online teacher: target forward, {tokens} tokens | {online_s:.2f} | {tokens / online_s:.0f} |")
-    print(f"| cached teacher: read the same from a bf16 file | {cached_s:.3f} | {tokens / cached_s:.0f} |")
-    for kind, s in steps.items():
-        print(f"| {kind} training step, {step_tokens} tokens | {s:.2f} | {step_tokens / s:.0f} |")
+    # 4. the matmul roofline of this machine: [b * A * G, e] @ [e, N], the draft LM head's shape
+    # (`cfg` is the last config read above; the three share these fields).
+    import jax.numpy as jnp
+
+    e, n = target.config.hidden_size, cfg.draft_vocab_size or target.config.vocab_size
+    x = jnp.ones((args.batch_size * cfg.anchors * cfg.block_size, e), jnp.float32)
+    w = jnp.ones((e, n), jnp.float32)
+    matmul = jax.jit(jnp.dot)
+    matmul_s = best_seconds(matmul, x, w, repeats=args.repeats)
+    matmul_rate = 2 * x.shape[0] * e * w.shape[1] / matmul_s / 1e9
+
+    print("\n| what | seconds | tokens/s | GFLOP | GFLOP/s |\n|---|--:|--:|--:|--:|")
+    print(f"| online teacher: target forward, {tokens} tokens | {online_s:.2f} | {tokens / online_s:.0f} | | |")
+    print(f"| cached teacher: read the same from a bf16 file | {cached_s:.3f} | {tokens / cached_s:.0f} | | |")
+    for kind, (s, flops) in steps.items():
+        rate = f"{flops / s / 1e9:.0f}" if flops else "n/a"
+        print(f"| {kind} training step, {step_tokens} tokens | {s:.2f} | {step_tokens / s:.0f} | {flops / 1e9:.0f} "
+              f"| {rate} |")
+    print(f"| f32 matmul [{x.shape[0]}, {e}] @ [{e}, {w.shape[1]}] | {matmul_s:.3f} | | | {matmul_rate:.0f} |")
     print(f"\nonline teacher / cached read: {online_s / cached_s:.0f}x per token; online teacher per token against "
-          f"the dspark step per token: {(online_s / tokens) / (steps['dspark'] / step_tokens):.2f}x")
+          f"the dspark step per token: {(online_s / tokens) / (steps['dspark'][0] / step_tokens):.2f}x")
     print("command: .venv/bin/python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))
 
 

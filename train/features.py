@@ -48,6 +48,8 @@ class FeaturesConfig:
     """Tokens per forward (rows of one length bucket are batched up to this)."""
     splits: tuple[str, ...] = ("train", "validation")
     """Splits to compute (training reads only train; calibration and evaluation need none)."""
+    train_shards: int | None = None
+    """Only the first K shards of the train split (what `train.fit --train-shards K` reads)."""
 
 
 def features_dir(data: str, layers: Sequence[int]) -> str:
@@ -173,7 +175,14 @@ def run(cfg: FeaturesConfig) -> dict:
     bad = [l for l in cfg.layers if not -1 <= l < target.config.num_layers]
     if bad or list(cfg.layers) != sorted(set(cfg.layers)):
         raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")
-    todo = [(split, shard) for split in cfg.splits for shard in data_lib.shard_paths(cfg.data, split)
+    if cfg.train_shards is not None and cfg.train_shards < 1:
+        raise SystemExit(f"--train-shards must be at least 1, got {cfg.train_shards}")
+
+    def shards(split: str) -> list[str]:
+        paths = data_lib.shard_paths(cfg.data, split)
+        return paths[:cfg.train_shards] if split == "train" and cfg.train_shards is not None else paths
+
+    todo = [(split, shard) for split in cfg.splits for shard in shards(split)
             if not (os.path.isfile(feature_path(cfg.data, cfg.layers, split, shard))
                     and os.path.isfile(lse_path(cfg.data, cfg.layers, split, shard)))]
     import time

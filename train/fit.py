@@ -346,10 +346,12 @@ def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
                     dcfg=dcfg)
 
 
-def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: int = 3) -> float:
-    """Best-of seconds of one training step on one device, on a batch of `rows` (token shards'
-    rows) with their features `feature_bits` [tokens, m + 1, e] (benchmarks/bench_train.py).
-    The draft vocabulary is a placeholder of the configured size: same cost as a real one."""
+def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: int = 3) -> tuple[float, float]:
+    """(best-of seconds, floating-point operations) of one training step on one device, on a batch
+    of `rows` (token shards' rows) with their features `feature_bits` [tokens, m + 1, e]
+    (benchmarks/bench_train.py). The operation count is XLA's cost analysis of the compiled step
+    (0 where the backend gives none). The draft vocabulary is a placeholder of the configured
+    size: same cost as a real one."""
     import numpy as np
 
     from dspark_jax import sharding
@@ -374,13 +376,15 @@ def time_step(cfg: FitConfig, target, rows: list[dict], feature_bits, repeats: i
     batch = {"tokens": tokens, "mask": mask, "features": features_lib.from_bf16_bits(bits[:, :, pick]),
              "hidden": features_lib.from_bf16_bits(bits[:, :, -1]), "teacher_lse": lse}
     state = t.state
+    cost = t.step_fn.lower(state, t.frozen, t.target_params, batch).compile().cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
 
     def once():
         nonlocal state
         state, metrics = t.step_fn(state, t.frozen, t.target_params, batch)
         return metrics["loss"]
 
-    return best_seconds(once, repeats=repeats)
+    return best_seconds(once, repeats=repeats), float(cost.get("flops", 0.0))
 
 
 def run(cfg: FitConfig) -> dict:
