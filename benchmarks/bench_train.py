@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 8, 14, 20, 27])
+    parser.add_argument("--json", default=None, help="also write the figures here (seconds per step per drafter)")
     args = parser.parse_args()
 
     import jax
@@ -97,13 +98,21 @@ def main() -> None:
     matmul_rate = 2 * x.shape[0] * e * w.shape[1] / matmul_s / 1e9
 
     print("\n| what | seconds | tokens/s | GFLOP | GFLOP/s |\n|---|--:|--:|--:|--:|")
-    print(f"| online teacher: target forward, {tokens} tokens | {online_s:.2f} | {tokens / online_s:.0f} | | |")
+    print(f"| online teacher: target forward, {tokens} tokens | {online_s:.4f} | {tokens / online_s:.0f} | | |")
     print(f"| cached teacher: read the same from a bf16 file | {cached_s:.3f} | {tokens / cached_s:.0f} | | |")
     for kind, (s, flops) in steps.items():
         rate = f"{flops / s / 1e9:.0f}" if flops else "n/a"
-        print(f"| {kind} training step, {step_tokens} tokens | {s:.2f} | {step_tokens / s:.0f} | {flops / 1e9:.0f} "
+        print(f"| {kind} training step, {step_tokens} tokens | {s:.4f} | {step_tokens / s:.0f} | {flops / 1e9:.0f} "
               f"| {rate} |")
-    print(f"| f32 matmul [{x.shape[0]}, {e}] @ [{e}, {w.shape[1]}] | {matmul_s:.3f} | | | {matmul_rate:.0f} |")
+    print(f"| f32 matmul [{x.shape[0]}, {e}] @ [{e}, {w.shape[1]}] | {matmul_s:.4f} | | | {matmul_rate:.0f} |")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "step_tokens": step_tokens,
+                       "online_teacher_seconds": online_s, "teacher_tokens": tokens, "cached_read_seconds": cached_s,
+                       "step_seconds": {k: s for k, (s, _) in steps.items()},
+                       "step_flops": {k: f for k, (_, f) in steps.items()}, "matmul_gflops": matmul_rate}, f, indent=1)
     print(f"\nonline teacher / cached read: {online_s / cached_s:.0f}x per token; online teacher per token against "
           f"the dspark step per token: {(online_s / tokens) / (steps['dspark'][0] / step_tokens):.2f}x")
     print("command: .venv/bin/python benchmarks/bench_train.py " + " ".join(sys.argv[1:]))

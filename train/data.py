@@ -248,13 +248,21 @@ def run(cfg: DataConfig) -> dict:
         from dspark_jax.prompts import bucket
 
         engine = Engine(target, None, slots=cfg.slots, max_len=bucket(need, minimum=128))
+        # Shards go through the engine in groups holding at least twice the slots, so freed slots
+        # refill from the next shard instead of idling while one shard's longest answer finishes
+        # (one shard per group at the CPU defaults; several with many slots on an accelerator).
+        group = max(1, -(-2 * cfg.slots // cfg.shard_size))
         with tqdm(total=remaining, desc="regenerating responses", unit="conv") as progress:
-            for split, index, chunk in todo:
-                responses = generate_responses(engine, chunk, cfg, progress)
-                write_shard(shard_path(cfg.out, split, index),
-                            [e.prompt_ids + r for e, (r, _) in zip(chunk, responses)],
-                            [len(e.prompt_ids) for e in chunk], [e.conversation_id for e in chunk],
-                            [reason for _, reason in responses])
+            for first in range(0, len(todo), group):
+                shards = todo[first:first + group]
+                examples_in = [e for _, _, chunk in shards for e in chunk]
+                responses = iter(generate_responses(engine, examples_in, cfg, progress))
+                for split, index, chunk in shards:
+                    answers = [next(responses) for _ in chunk]
+                    write_shard(shard_path(cfg.out, split, index),
+                                [e.prompt_ids + r for e, (r, _) in zip(chunk, answers)],
+                                [len(e.prompt_ids) for e in chunk], [e.conversation_id for e in chunk],
+                                [reason for _, reason in answers])
     seconds = time.perf_counter() - start
     coverage = build_draft_vocab(cfg.out, cfg.vocab_sizes, target.config.vocab_size)
     summary = {
