@@ -219,6 +219,21 @@ def _triton_totals(p, q, n, kq, *, chunk: int, interpret=False):
 
 
 # ------------------------------------------------------------------------- dispatch
+_NATIVE = {"tpu": ("tpu",), "triton": ("gpu", "cuda", "rocm")}  # platforms that run each kernel
+
+
+def default_interpret(backend: str | None) -> bool:
+    """Whether a kernel runs in Pallas's interpreter by default on JAX's default backend: always
+    on the CPU; for a forced backend, wherever that kernel does not run natively; for backend=None
+    never off the CPU (the lowering platform then picks a kernel it runs, or the jnp totals)."""
+    if backend not in (None,) + BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    platform = jax.default_backend()
+    if platform == "cpu":
+        return True
+    return backend is not None and platform not in _NATIVE[backend]
+
+
 def _chunk_totals(p, q, n, kq, *, chunk: int, interpret, backend):
     if backend not in (None,) + BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
@@ -251,14 +266,16 @@ def verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms, *,
     draft_tokens [B, G] int, draft_probs [B, G, V], target_probs [B, G+1, V],
     lengths [B] in [0, G], uniforms [B, G+1] in [0, 1).
 
-    interpret: None -> True when JAX's default backend is the CPU, else False; True or a
-      ``pltpu.InterpretParams`` runs the kernel in Pallas's interpreter.
+    interpret: None -> ``default_interpret(backend)``: the interpreter unless the default
+      backend runs the kernel natively (a forced "tpu" kernel on a GPU, or "triton" on a TPU, is
+      interpreted: on an H200 the Mosaic-TPU kernel forced onto the GPU returned wrong tokens);
+      True or a ``pltpu.InterpretParams`` runs the kernel in Pallas's interpreter.
     chunk_size: power of two; results equal the reference's with the same chunk_size.
     backend: None -> chosen by the lowering platform (tpu: Mosaic, cuda/rocm: Triton,
       others: the jnp totals); "tpu" or "triton" forces that kernel.
     """
     if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+        interpret = default_interpret(backend)
     if isinstance(interpret, (bool, int)):
         interpret = bool(interpret)
     return _verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms,

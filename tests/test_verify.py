@@ -449,6 +449,21 @@ def test_non_interpret_on_cpu_uses_the_jnp_totals():
         pallas_verify_block(*args, backend="cuda")
 
 
+@pytest.mark.parametrize("platform, expected", [
+    ("cpu", {None: True, "tpu": True, "triton": True}),
+    ("gpu", {None: False, "tpu": True, "triton": False}),
+    ("tpu", {None: False, "tpu": False, "triton": True}),
+])
+def test_forced_kernel_is_interpreted_where_it_does_not_run_natively(monkeypatch, platform, expected):
+    """On an H200 the TPU kernel forced onto the GPU (not interpreted) gave wrong tokens; by
+    default a forced kernel now runs natively only on its own platform."""
+    module = sys.modules["pallas_kernels.verify_block"]  # the package re-exports the function by this name
+    monkeypatch.setattr(module.jax, "default_backend", lambda: platform)
+    assert {b: module.default_interpret(b) for b in expected} == expected
+    with pytest.raises(ValueError, match="backend"):
+        module.default_interpret("cuda")
+
+
 # ------------------------------------------------- lowering for TPU and GPU
 def _abstract_args(b, g, v):
     return (jax.ShapeDtypeStruct((b, g), jnp.int32), jax.ShapeDtypeStruct((b, g, v), jnp.float32),

@@ -46,6 +46,10 @@ class FeaturesConfig:
     """Default: the model the data was generated with (meta.json)."""
     batch_tokens: int = 4096
     """Tokens per forward (rows of one length bucket are batched up to this)."""
+    fixed_rows: bool = False
+    """Pad every batch of a length bucket to the bucket's full row count: one compile per length
+    instead of one per (length, power-of-two rows). For accelerators, where a compile costs far
+    more than the padded rows (on an H200 the power-of-two shapes compiled for minutes)."""
     splits: tuple[str, ...] = ("train", "validation")
     """Splits to compute (training reads only train; calibration and evaluation need none)."""
     train_shards: int | None = None
@@ -86,7 +90,8 @@ def length_bucket(n: int) -> int:
     return bucket(n, minimum=64)
 
 
-def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens: int) -> np.ndarray:
+def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens: int,
+                   fixed_rows: bool = False) -> np.ndarray:
     """[sum of row lengths, m + 1, e] bf16 bits: the layers' outputs and the final hidden state of
     every token, rows in order. Rows are batched by length bucket (padding goes at the end, where
     causal attention keeps it from the real tokens)."""
@@ -103,7 +108,7 @@ def shard_features(target, rows: list[dict], layers: Sequence[int], batch_tokens
         count = 1 << max(0, (max(1, batch_tokens // length)).bit_length() - 1)
         group = [i for i in order[start:start + count] if len(rows[i]["tokens"]) <= length]
         start += len(group)
-        tokens = np.zeros((pow2(len(group)), length), np.int32)  # rows bucketed to a power of two
+        tokens = np.zeros((count if fixed_rows else pow2(len(group)), length), np.int32)  # rows bucketed
         for j, i in enumerate(group):
             tokens[j, :len(rows[i]["tokens"])] = rows[i]["tokens"]
         feats = np.asarray(run(params, tokens)).view(np.uint16)
@@ -193,7 +198,7 @@ def run(cfg: FeaturesConfig) -> dict:
         if os.path.isfile(path):
             feats = np.load(path, mmap_mode="r")
         else:
-            feats = shard_features(target, data_lib.read_shard(shard), cfg.layers, cfg.batch_tokens)
+            feats = shard_features(target, data_lib.read_shard(shard), cfg.layers, cfg.batch_tokens, cfg.fixed_rows)
             _save(path, feats)
         _save(lse_path(cfg.data, cfg.layers, split, shard), teacher_lse(target, feats))
         tokens += feats.shape[0]

@@ -51,12 +51,15 @@ $PY -c "from dspark_jax import load_target; t = load_target('smollm2-135m'); pri
 # 1. data, with the drafter-step benchmark beside it (its step times, taken with the generation
 #    running, are an upper bound on the training rate).
 [ -d "$DATA" ] || cp -r "$SRC" "$DATA"
-$PY benchmarks/bench_train.py --data "$SRC" $BENCH_ARGS --json $RUNS/bench_train.json > $RUNS/bench_train.txt 2>&1 &
-BENCH=$!
-log "data: up to $CONVERSATIONS conversations"
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$(until_ 190)" $PY -m train.data --out "$DATA" \
-  --conversations "$CONVERSATIONS" --slots 256 --rounds-per-step 16 > logs/data.log 2>&1
-rc=$?
+BENCH=""
+[ -n "${STEP_SECONDS:-}" ] || { $PY benchmarks/bench_train.py --data "$SRC" $BENCH_ARGS --json $RUNS/bench_train.json > $RUNS/bench_train.txt 2>&1 & BENCH=$!; }
+rc=0
+if [ "$CONVERSATIONS" -gt 0 ]; then
+  log "data: up to $CONVERSATIONS conversations"
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$(until_ 190)" $PY -m train.data --out "$DATA" \
+    --conversations "$CONVERSATIONS" --slots 256 --rounds-per-step 16 > logs/data.log 2>&1
+  rc=$?
+fi
 if [ $rc -ne 0 ]; then  # stopped early: the finished shards are the data
   log "data: exit $rc; closing the data at the finished shards"
   timeout 60 $PY -m train.data --out "$DATA" --conversations "$CONVERSATIONS" --finalize-only >> logs/data.log 2>&1
@@ -66,8 +69,8 @@ pack_data
 
 # 2. features: validation first (the trainer's validation losses need it), then train in order.
 log "features"
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout "$(until_ 285)" $PY -m train.features --data "$DATA" \
-  --splits validation train --batch-tokens 32768 > logs/features.log 2>&1
+JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="${FEATURES_XLA_FLAGS:-}" timeout "$(until_ "${FEATURES_END:-285}")" $PY -m train.features --data "$DATA" \
+  --splits validation train --batch-tokens 8192 --fixed-rows > logs/features.log 2>&1
 log "features: exit $?"
 SHARDS=$($PY - <<EOF
 from train import data as d, features as f
@@ -88,16 +91,17 @@ SHARD_FLAG=""
 [ "$SHARDS" -lt "$TOTAL" ] && SHARD_FLAG="--train-shards $SHARDS"
 
 # 3. the three drafters, same steps each.
-kill $BENCH 2>/dev/null; wait $BENCH 2>/dev/null
+[ -n "$BENCH" ] && { kill $BENCH 2>/dev/null; wait $BENCH 2>/dev/null; }
 STEPS=$($PY - <<EOF
 import json, os
-finish, compile_s, margin = 495, 60, 1.4
+finish, compile_s, margin = $BUDGET - 75, 60, 1.4
 avail = finish - $SECONDS - compile_s
 try:
-    per_round = sum(json.load(open("$RUNS/bench_train.json"))["step_seconds"].values())
+    per_round = float("${STEP_SECONDS:-}") if "${STEP_SECONDS:-}" else sum(
+        json.load(open("$RUNS/bench_train.json"))["step_seconds"].values())
 except (OSError, ValueError, KeyError):
     per_round = 0.25  # no measurement: a guess that keeps the run inside the budget
-print(max(${MIN_STEPS:-200}, min(8000, int(avail / (per_round * margin)) // 100 * 100)))
+print(max(${MIN_STEPS:-200}, min(${MAX_STEPS:-8000}, int(avail / (per_round * margin)) // 100 * 100)))
 EOF
 )
 WARMUP=$((STEPS / 20))
