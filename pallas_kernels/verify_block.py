@@ -268,7 +268,7 @@ def verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms, *,
 
     interpret: None -> ``default_interpret(backend)``: the interpreter unless the default
       backend runs the kernel natively (a forced "tpu" kernel on a GPU, or "triton" on a TPU, is
-      interpreted: on an H200 the Mosaic-TPU kernel forced onto the GPU returned wrong tokens);
+      interpreted: on an H200 the Mosaic-TPU kernel forced onto the GPU failed two tests);
       True or a ``pltpu.InterpretParams`` runs the kernel in Pallas's interpreter.
     chunk_size: power of two; results equal the reference's with the same chunk_size.
     backend: None -> chosen by the lowering platform (tpu: Mosaic, cuda/rocm: Triton,

@@ -455,7 +455,7 @@ def test_non_interpret_on_cpu_uses_the_jnp_totals():
     ("tpu", {None: False, "tpu": False, "triton": True}),
 ])
 def test_forced_kernel_is_interpreted_where_it_does_not_run_natively(monkeypatch, platform, expected):
-    """On an H200 the TPU kernel forced onto the GPU (not interpreted) gave wrong tokens; by
+    """On an H200 the TPU kernel forced onto the GPU (not interpreted) failed two tests; by
     default a forced kernel now runs natively only on its own platform."""
     module = sys.modules["pallas_kernels.verify_block"]  # the package re-exports the function by this name
     monkeypatch.setattr(module.jax, "default_backend", lambda: platform)
