@@ -253,6 +253,31 @@ def test_cached_features_equal_each_rows_own_forward(tiny_train_data):
     assert start == bits.shape[0]
 
 
+def test_fixed_row_batches_give_the_same_features_and_train_shards_limits_the_pass(tiny_train_data, tmp_path):
+    """--fixed-rows (every batch padded to its bucket's full row count: one compile per length)
+    stores the same bits as power-of-two batches; --train-shards K computes the first K train
+    shards only, and K < 1 is refused by name."""
+    import shutil
+
+    from train import data as data_lib
+    from train import features as features_lib
+
+    target = data_lib.data_target(tiny_train_data, None)
+    rows = data_lib.read_shard(data_lib.shard_paths(tiny_train_data, "train")[0])
+    plain = features_lib.shard_features(target, rows, (0, 1), batch_tokens=1024)
+    fixed = features_lib.shard_features(target, rows, (0, 1), batch_tokens=1024, fixed_rows=True)
+    np.testing.assert_array_equal(fixed, plain)
+
+    copy = str(tmp_path / "data")
+    shutil.copytree(tiny_train_data, copy, ignore=shutil.ignore_patterns("features"))
+    features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), splits=("train",), train_shards=1))
+    done = [os.path.isfile(features_lib.feature_path(copy, (0, 1), "train", p))
+            for p in data_lib.shard_paths(copy, "train")]
+    assert done[0] and not any(done[1:])
+    with pytest.raises(SystemExit, match="train-shards"):
+        features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), train_shards=0))
+
+
 def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
     """--train-shards K reads the split's first K shards only (their rows, in order), and a run
     with it is a different run from one over all shards (resume key)."""
