@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from dspark_jax import xla_cache
 from dspark_jax.schedule import POLICIES
 
 
@@ -96,6 +97,7 @@ def _serve_missing(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    xla_cache.enable()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, OSError) as err:  # user errors: one clear line, no traceback

@@ -487,7 +487,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="sps.json", help="where the table is saved (JSON)")
     parser.add_argument("--plot", default=None, help="PNG of the table (default: --out with .png)")
     args = parser.parse_args(argv)
-    from dspark_jax import load_target
+    from dspark_jax import load_target, xla_cache
+
+    xla_cache.enable()
     from dspark_jax.engine import Engine
 
     target = load_target(args.model, dtype=args.dtype)

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dspark_jax import xla_cache
 from serve import protos
 from serve.config import ServeConfig, add_arguments, check_config, config_from_args
 from serve.metrics import ServerMetrics
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m serve", description="dspark gRPC server")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    xla_cache.enable()
     try:
         return serve(config_from_args(args))
     except (ValueError, FileNotFoundError, OSError) as err:

@@ -163,7 +163,11 @@ def run(cfg: CalibrateConfig) -> dict:
 def main(argv: Sequence[str] | None = None) -> None:
     import tyro
 
-    report = run(tyro.cli(CalibrateConfig, args=argv))
+    from dspark_jax import xla_cache
+
+    cfg = tyro.cli(CalibrateConfig, args=argv)
+    xla_cache.enable()
+    report = run(cfg)
     print(table(report))
 
 

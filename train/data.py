@@ -282,7 +282,11 @@ def run(cfg: DataConfig) -> dict:
 def main(argv: Sequence[str] | None = None) -> None:
     import tyro
 
-    summary = run(tyro.cli(DataConfig, args=argv))
+    from dspark_jax import xla_cache
+
+    cfg = tyro.cli(DataConfig, args=argv)
+    xla_cache.enable()
+    summary = run(cfg)
     print(json.dumps(summary, indent=2))
 
 

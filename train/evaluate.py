@@ -195,7 +195,11 @@ def label(path: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    results = run(tyro.cli(EvaluateConfig, args=argv))
+    from dspark_jax import xla_cache
+
+    cfg = tyro.cli(EvaluateConfig, args=argv)
+    xla_cache.enable()
+    results = run(cfg)
     print(markdown(results))
 
 

@@ -213,7 +213,11 @@ def run(cfg: FeaturesConfig) -> dict:
 def main(argv: Sequence[str] | None = None) -> None:
     import tyro
 
-    print(json.dumps(run(tyro.cli(FeaturesConfig, args=argv)), indent=2))
+    from dspark_jax import xla_cache
+
+    cfg = tyro.cli(FeaturesConfig, args=argv)
+    xla_cache.enable()
+    print(json.dumps(run(cfg), indent=2))
 
 
 if __name__ == "__main__":

@@ -552,7 +552,10 @@ def plot_curves(log_path: str, png_path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from dspark_jax import xla_cache
+
     cfg = load_config(sys.argv[1:] if argv is None else argv)
+    xla_cache.enable()
     print(json.dumps(run(cfg), indent=2))
 
 
