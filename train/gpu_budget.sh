@@ -16,6 +16,13 @@
 # CPU); the drafters train at the backend's default precision. What is written to OUT_DIR: the new
 # token shards (data.tgz), the three drafters (drafters.tar.part-*, split under 16 MB), logs,
 # curves, the benchmark and the calibration report (results.tgz), and this script's log.
+#
+# Environment knobs: CONVERSATIONS=0 skips stage 1 (the committed data as is); STEP_SECONDS=s skips
+# the benchmark and sizes the steps from s, the seconds of one step of each drafter together;
+# MIN_STEPS / MAX_STEPS bound the steps; FEATURES_END=t ends the feature pass t seconds in;
+# FEATURES_XLA_FLAGS are XLA_FLAGS for it. The 2026-12-04 H200 run and what each stage cost:
+# train/results/2026-12-04-gpu-budget/README.md (data generation there was compile-bound: the
+# Engine's bucket programs; the XLA cache in ~/.cache/dspark_jax/xla now keeps them for a rerun).
 set -u
 OUT=${1:?usage: bash train/gpu_budget.sh OUT_DIR [SECONDS]}
 BUDGET=${2:-570}
