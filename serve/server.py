@@ -208,13 +208,19 @@ class Server:
         log.error("engine fault, health NOT_SERVING: %s", message)
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def start(self, warmup: bool = True) -> float:
-        """Open the port, compile (health NOT_SERVING meanwhile), then serve. Returns warmup seconds."""
+    def start(self, warmup: bool = True, interrupted=None) -> float:
+        """Open the port, compile (health NOT_SERVING meanwhile), then serve. Returns warmup seconds.
+
+        `interrupted()` (optional) is asked once the compiling is done: True raises
+        StartupInterrupted before anything is served (see serve(): a stop signal whose exception
+        a library callback swallowed)."""
         self.grpc_server.start()
         seconds = 0.0
         if warmup:
             batches = tuple(1 << i for i in range(self.engine.slots.bit_length()) if 1 << i <= self.engine.slots)
             seconds = self.engine.warmup(rounds=(self.orchestrator.rounds,), insert_batches=batches)
+        if interrupted is not None and interrupted():
+            raise StartupInterrupted
         self.orchestrator.start()
         self.ready.set()
         self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -260,11 +266,16 @@ def serve(config: ServeConfig) -> int:
     server = None
     try:
         target, drafter_name, engine = build_engine(config)
+        # The handler's exception can be swallowed where it lands: CI saw it raised inside JAX's
+        # gc callback, which ignores exceptions, and the server went on to serve. The stop flag
+        # is set all the same; these checks turn it into the interruption it should have been.
+        if stop.is_set():
+            raise StartupInterrupted
         server = Server(engine, target.tokenizer, port=config.port, host=config.host, queue_size=config.queue_size,
                         rounds=config.rounds, target_name=config.model, drafter_name=drafter_name,
                         metrics_port=config.metrics_port, max_message_bytes=config.max_message_mb << 20)
         log.info("listening on %s:%d (health NOT_SERVING while compiling)", config.host, server.port)
-        warm = server.start()
+        warm = server.start(interrupted=stop.is_set)
         started.set()
     except StartupInterrupted:
         if server is not None:  # the signal may land after start() set SERVING: drain what came in

@@ -170,3 +170,26 @@ def test_engine_fault_fails_everything_and_reports():
             o.submit(job("c", 1, 0, 4))
     finally:
         o.stop()
+
+
+def test_stop_requested_during_startup_is_not_served():
+    """A stop signal whose exception was swallowed during start-up (CI saw it raised inside JAX's
+    gc callback) leaves only the stop flag: start() must still end before serving, health never
+    SERVING and no orchestrator running."""
+    from grpc_health.v1 import health_pb2
+
+    from serve.server import Server, StartupInterrupted
+
+    import types
+
+    engine = FakeEngine(slots=2)
+    engine.settings = types.SimpleNamespace(dconfig=None, config=types.SimpleNamespace(vocab_size=64))  # no drafter
+    srv = Server(engine, LetterTokenizer(), port=0, host="localhost", queue_size=2)
+    try:
+        with pytest.raises(StartupInterrupted):
+            srv.start(warmup=False, interrupted=lambda: True)
+        assert not srv.ready.is_set()
+        assert srv.health.Check(health_pb2.HealthCheckRequest(), None).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        srv.stop(0)
