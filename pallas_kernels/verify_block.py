@@ -222,12 +222,16 @@ def _triton_totals(p, q, n, kq, *, chunk: int, interpret=False):
 _NATIVE = {"tpu": ("tpu",), "triton": ("gpu", "cuda", "rocm")}  # platforms that run each kernel
 
 
+def _check_backend(backend: str | None) -> None:
+    if backend not in (None,) + BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+
+
 def default_interpret(backend: str | None) -> bool:
     """Whether a kernel runs in Pallas's interpreter by default on JAX's default backend: always
     on the CPU; for a forced backend, wherever that kernel does not run natively; for backend=None
     never off the CPU (the lowering platform then picks a kernel it runs, or the jnp totals)."""
-    if backend not in (None,) + BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    _check_backend(backend)
     platform = jax.default_backend()
     if platform == "cpu":
         return True
@@ -235,8 +239,7 @@ def default_interpret(backend: str | None) -> bool:
 
 
 def _chunk_totals(p, q, n, kq, *, chunk: int, interpret, backend):
-    if backend not in (None,) + BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    _check_backend(backend)
     tpu = functools.partial(_tpu_totals, chunk=chunk, interpret=interpret)
     triton = functools.partial(_triton_totals, chunk=chunk, interpret=interpret)
     if interpret:

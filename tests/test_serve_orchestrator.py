@@ -176,11 +176,11 @@ def test_stop_requested_during_startup_is_not_served():
     """A stop signal whose exception was swallowed during start-up (CI saw it raised inside JAX's
     gc callback) leaves only the stop flag: start() must still end before serving, health never
     SERVING and no orchestrator running."""
+    import types
+
     from grpc_health.v1 import health_pb2
 
     from serve.server import Server, StartupInterrupted
-
-    import types
 
     engine = FakeEngine(slots=2)
     engine.settings = types.SimpleNamespace(dconfig=None, config=types.SimpleNamespace(vocab_size=64))  # no drafter

@@ -69,6 +69,12 @@ def lse_path(data: str, layers: Sequence[int], split: str, shard: str) -> str:
     return feature_path(data, layers, split, shard).replace(".npy", ".lse.npy")
 
 
+def shard_done(data: str, layers: Sequence[int], split: str, shard: str) -> bool:
+    """Whether a shard's features and teacher logsumexp are both on disk (a finished shard)."""
+    return (os.path.isfile(feature_path(data, layers, split, shard))
+            and os.path.isfile(lse_path(data, layers, split, shard)))
+
+
 def to_bf16_bits(x) -> np.ndarray:
     """A float array as bfloat16 bit patterns (uint16): numpy's .npy has no bfloat16 type."""
     import jax.numpy as jnp
@@ -188,8 +194,7 @@ def run(cfg: FeaturesConfig) -> dict:
         return paths[:cfg.train_shards] if split == "train" and cfg.train_shards is not None else paths
 
     todo = [(split, shard) for split in cfg.splits for shard in shards(split)
-            if not (os.path.isfile(feature_path(cfg.data, cfg.layers, split, shard))
-                    and os.path.isfile(lse_path(cfg.data, cfg.layers, split, shard)))]
+            if not shard_done(cfg.data, cfg.layers, split, shard)]
     import time
 
     start, tokens = time.perf_counter(), 0

@@ -80,15 +80,10 @@ JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="${FEATURES_XLA_FLAGS:-}" timeout
   --splits validation train --batch-tokens 8192 --fixed-rows > logs/features.log 2>&1
 log "features: exit $?"
 SHARDS=$($PY - <<EOF
+import itertools
 from train import data as d, features as f
-n = 0
-for p in d.shard_paths("$DATA", "train"):
-    import os
-    if not (os.path.isfile(f.feature_path("$DATA", (1, 8, 14, 20, 27), "train", p))
-            and os.path.isfile(f.lse_path("$DATA", (1, 8, 14, 20, 27), "train", p))):
-        break
-    n += 1
-print(n)
+done = (f.shard_done("$DATA", f.FeaturesConfig.layers, "train", p) for p in d.shard_paths("$DATA", "train"))
+print(sum(1 for _ in itertools.takewhile(bool, done)))  # the finished shards in order from the first
 EOF
 )
 TOTAL=$(ls "$DATA"/train/shard-*.npz | wc -l)
