@@ -24,8 +24,13 @@ class RequestResult:
 
 
 def run_requests(engine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
-                 rounds_per_step: int = 8, progress=None) -> list[RequestResult]:
-    """Every prompt (token ids) generated with its SamplingParams, in the engine's slots."""
+                 rounds_per_step: int = 8, progress=None, waves: bool = False) -> list[RequestResult]:
+    """Every prompt (token ids) generated with its SamplingParams, in the engine's slots.
+
+    `waves`: insert only once every slot is free, a whole batch at a time, instead of refilling
+    each freed slot at once. Slots idle while a wave's longest answer finishes, but the inserts
+    always have the engine's full batch shape; on an accelerator, where each new insert shape
+    costs a compile of seconds, that is the cheaper trade (warm the engine up for it first)."""
     if len(prompts) != len(params):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     g = engine.block_size
@@ -35,7 +40,7 @@ def run_requests(engine, prompts: Sequence[Sequence[int]], params: Sequence[Samp
     acc: dict[int, RequestResult] = {}
     state = engine.new_state()
     while pending or owner:
-        free = [s for s in range(engine.slots) if s not in owner]
+        free = [s for s in range(engine.slots) if s not in owner] if not (waves and owner) else []
         batch = []
         for slot in free[:len(pending)]:
             i = pending.pop()

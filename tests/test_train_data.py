@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -93,6 +94,14 @@ def test_selfdistilled_data_is_the_targets_greedy_output_and_resumes(tiny_chat_d
     assert all(os.stat(p).st_mtime_ns == before[p] for p in paths if p != missing)
     again = data.read_shard(missing)
     assert [r["tokens"].tolist() for r in again] == [r["tokens"].tolist() for r in expected]
+
+    # Waves (a whole batch inserted once every slot is free, programs compiled ahead) make the
+    # same data as refilling each slot at once.
+    waves = dataclasses.replace(cfg, out=str(tmp_path / "waves"), waves=True)
+    data.run(waves)
+    for split in data.SPLITS:
+        assert ([r["tokens"].tolist() for r in data.read_split(waves.out, split)]
+                == [r["tokens"].tolist() for r in data.read_split(cfg.out, split)])
 
     # Other settings into the same folder are refused.
     with pytest.raises(SystemExit, match="max_new_tokens"):

@@ -47,6 +47,11 @@ class DataConfig:
     max_new_tokens: int = 256
     slots: int = 32
     rounds_per_step: int = 8
+    waves: bool = False
+    """Generate in waves of --slots requests (a new wave once the last one has finished), every
+    step over all slots: a few fixed shapes (one insert per prompt bucket, one step per attention
+    span) instead of one compile per insert size and row bucket. For accelerators, where
+    continuous refilling spent the run compiling (H200, 2026-12-04: 25 conversations in 176 s)."""
     temperature: float = 0.0
     seed: int = 0
     vocab_sizes: tuple[int, ...] = (8192, 16384)
@@ -154,7 +159,8 @@ def generate_responses(engine, examples: Sequence[Example], cfg: DataConfig, pro
 
     params = [SamplingParams(temperature=cfg.temperature, seed=e.seed, max_new_tokens=cfg.max_new_tokens)
               for e in examples]
-    results = run_requests(engine, [e.prompt_ids for e in examples], params, cfg.rounds_per_step, progress)
+    results = run_requests(engine, [e.prompt_ids for e in examples], params, cfg.rounds_per_step, progress,
+                           waves=cfg.waves)
     return [(r.tokens, r.finish_reason) for r in results]
 
 
@@ -235,7 +241,11 @@ def run(cfg: DataConfig) -> dict:
     check_meta(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     target = load_target(cfg.model, dtype=cfg.dtype)
+    began = time.perf_counter()
     examples = select_examples(cfg, target.tokenizer, sharegpt_first_turns(cfg.sharegpt))
+    # Stage timings on stdout: an H200 run once spent its whole time limit before the progress
+    # bar appeared, with nothing to say where.
+    print(f"{sum(map(len, examples.values()))} prompts selected in {time.perf_counter() - began:.1f} s", flush=True)
     # Shards in index order across the splits (train 0, validation 0, train 1, ...), so a run
     # stopped early still has a validation set.
     planned = [(index, split, chunk) for split in SPLITS for index, chunk in chunks(examples[split], cfg.shard_size)]
@@ -247,7 +257,8 @@ def run(cfg: DataConfig) -> dict:
         need = max(len(e.prompt_ids) for _, _, c in todo for e in c) + cfg.max_new_tokens
         from dspark_jax.prompts import bucket
 
-        engine = Engine(target, None, slots=cfg.slots, max_len=bucket(need, minimum=128))
+        engine = Engine(target, None, slots=cfg.slots, max_len=bucket(need, minimum=128),
+                        row_buckets=(cfg.slots,) if cfg.waves else None)
         # Shards go through the engine in groups holding at least twice the slots, so freed slots
         # refill from the next shard instead of idling while one shard's longest answer finishes
         # (one shard per group at the CPU defaults; several with many slots on an accelerator).
@@ -264,6 +275,8 @@ def run(cfg: DataConfig) -> dict:
                                 [len(e.prompt_ids) for e in chunk], [e.conversation_id for e in chunk],
                                 [reason for _, reason in answers])
     seconds = time.perf_counter() - start
+    if todo:
+        print(f"generation: {seconds:.1f} s, of which compiling {engine.compile_seconds:.1f} s", flush=True)
     coverage = build_draft_vocab(cfg.out, cfg.vocab_sizes, target.config.vocab_size)
     summary = {
         "generation": cfg.generation_key(),
