@@ -277,6 +277,20 @@ def test_fixed_row_batches_give_the_same_features_and_train_shards_limits_the_pa
     with pytest.raises(SystemExit, match="train-shards"):
         features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), train_shards=0))
 
+    # --parts: processes split the shards still to do between them, and together they write
+    # what one process writes (here: everything after the first train shard).
+    for part in (1, 0):
+        features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), parts=2, part=part))
+        if part == 1:
+            assert not all(features_lib.shard_done(copy, (0, 1), s, p) for s in ("train", "validation")
+                           for p in data_lib.shard_paths(copy, s))
+    for split in ("train", "validation"):
+        for p in data_lib.shard_paths(copy, split):
+            np.testing.assert_array_equal(np.load(features_lib.feature_path(copy, (0, 1), split, p)),
+                                          np.load(features_lib.feature_path(tiny_train_data, (0, 1), split, p)))
+    with pytest.raises(SystemExit, match="--part"):
+        features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), parts=2, part=2))
+
 
 def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
     """--train-shards K reads the split's first K shards only (their rows, in order), and a run

@@ -54,6 +54,13 @@ class FeaturesConfig:
     """Splits to compute (training reads only train; calibration and evaluation need none)."""
     train_shards: int | None = None
     """Only the first K shards of the train split (what `train.fit --train-shards K` reads)."""
+    parts: int = 1
+    """Split the shards still to do among this many processes (run one per --part); each writes
+    whole shards, so parts never collide. On an accelerator the pass is host-bound (saving and
+    the per-chunk log-normalisers), so several processes on one device finish it sooner."""
+    part: int = 0
+    """Which of the --parts this process computes (0 .. parts - 1): the to-do shards part, part +
+    parts, part + 2 parts, ..."""
 
 
 def features_dir(data: str, layers: Sequence[int]) -> str:
@@ -188,13 +195,15 @@ def run(cfg: FeaturesConfig) -> dict:
         raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")
     if cfg.train_shards is not None and cfg.train_shards < 1:
         raise SystemExit(f"--train-shards must be at least 1, got {cfg.train_shards}")
+    if cfg.parts < 1 or not 0 <= cfg.part < cfg.parts:
+        raise SystemExit(f"--part must be in [0, --parts) with --parts >= 1, got part {cfg.part} of {cfg.parts}")
 
     def shards(split: str) -> list[str]:
         paths = data_lib.shard_paths(cfg.data, split)
         return paths[:cfg.train_shards] if split == "train" and cfg.train_shards is not None else paths
 
     todo = [(split, shard) for split in cfg.splits for shard in shards(split)
-            if not shard_done(cfg.data, cfg.layers, split, shard)]
+            if not shard_done(cfg.data, cfg.layers, split, shard)][cfg.part::cfg.parts]
     import time
 
     start, tokens = time.perf_counter(), 0
@@ -210,7 +219,9 @@ def run(cfg: FeaturesConfig) -> dict:
     seconds = time.perf_counter() - start
     summary = {"layers": list(cfg.layers), "shards_done": len(todo), "tokens": tokens, "seconds": seconds,
                "tokens_per_second": tokens / seconds if seconds > 0 and tokens else None}
-    with open(os.path.join(features_dir(cfg.data, cfg.layers), "features.json"), "w") as f:
+    name = "features.json" if cfg.parts == 1 else f"features-part{cfg.part}of{cfg.parts}.json"
+    os.makedirs(features_dir(cfg.data, cfg.layers), exist_ok=True)
+    with open(os.path.join(features_dir(cfg.data, cfg.layers), name), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
 
