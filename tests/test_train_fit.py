@@ -154,6 +154,13 @@ def test_fit_then_calibrate_then_evaluate(tiny_train_data, tmp_path, monkeypatch
     assert len(temps) == 3 and all(t > 0 for t in temps) and report["rounds"] > 0
     assert len(report["before"]) == len(report["after"]) == 3
     assert os.path.isfile(os.path.join(summary["drafter"], "reliability.png"))
+    # In waves (a full batch at a time over one row bucket, for accelerators) the same rounds are
+    # verified with the same outcomes.
+    shutil.copytree(dspark_run[0]["drafter"], tmp_path / "waves")
+    waves = calibrate.run(calibrate.CalibrateConfig(drafter=str(tmp_path / "waves"), data=tiny_train_data,
+                                                    max_prompts=4, max_new_tokens=12, slots=4, waves=True))
+    assert waves["rounds"] == report["rounds"]
+    assert [m["rate"] for m in waves["before"]] == [m["rate"] for m in report["before"]]
     # The temperatures ship with the checkpoint, and an Engine made from it applies them.
     with open(os.path.join(tiny_train_data, "meta.json")) as f:
         target = load_target(json.load(f)["generation"]["model"])

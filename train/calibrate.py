@@ -36,20 +36,24 @@ class CalibrateConfig:
     max_prompts: int = 128
     max_new_tokens: int = 128
     slots: int = 16
+    waves: bool = False
+    """Run the prompts in waves of --slots over one row bucket (dspark_jax.batch.run_requests):
+    a few fixed shapes, for accelerators, where a compile per insert size and row bucket set the
+    pace (an H200 calibrated 4 prompts in its time limit that way)."""
     seed: int = 0
     out: str | None = None
     """Where the report and the diagram go; default: the drafter folder."""
 
 
 def collect(engine, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int, seed: int,
-            progress=None):
+            progress=None, waves: bool = False):
     """(z [n, G], accepted [n], request id [n]) over every verification round of every prompt."""
     from dspark_jax.batch import run_requests
     from dspark_jax.sampling import SamplingParams
 
     params = [SamplingParams(temperature=temperature, seed=seed + i, max_new_tokens=max_new_tokens)
               for i in range(len(prompts))]
-    results = run_requests(engine, prompts, params, progress=progress)
+    results = run_requests(engine, prompts, params, progress=progress, waves=waves)
     z = np.concatenate([r.round_confidence_logits for r in results])
     accepted = np.concatenate([np.asarray(r.round_accepted, np.int64) for r in results])
     request = np.concatenate([np.full(len(r.round_accepted), i) for i, r in enumerate(results)])
@@ -137,9 +141,9 @@ def run(cfg: CalibrateConfig) -> dict:
     from dspark_jax.prompts import bucket
 
     max_len = bucket(max(len(p) for p in prompts) + cfg.max_new_tokens + drafter.config.block_size + 1, minimum=128)
-    engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len)
+    engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len, row_buckets=(cfg.slots,) if cfg.waves else None)
     with tqdm(total=len(prompts), desc="verification rounds", unit="prompt") as bar:
-        z, accepted, request = collect(engine, prompts, cfg.temperature, cfg.max_new_tokens, cfg.seed, bar)
+        z, accepted, request = collect(engine, prompts, cfg.temperature, cfg.max_new_tokens, cfg.seed, bar, cfg.waves)
     report = calibrate(z, accepted, request)
     report["serving_temperature"] = cfg.temperature
     drafter.calibration = {**(saved or {}), "temperatures": report["temperatures"],

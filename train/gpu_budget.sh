@@ -12,21 +12,23 @@
 #      several processes share the one device), validation first;
 #   3. DSpark, DFlash and EAGLE-3 trained side by side (three train.fit processes on the one device)
 #      for the same number of steps S, the most that fits the time left at the measured step rate
-#      (STEP_SECONDS, or benchmarks/bench_train.py run during stage 1).
+#      (STEP_SECONDS, or benchmarks/bench_train.py run during stage 1), at most MAX_EPOCHS (12)
+#      passes over the train split: the second budget's validation losses turned up after 13;
+#   4. STS calibration of the DSpark drafter on the validation split (train.calibrate --waves).
 # Data generation and features run with full float32 matmuls (the target's own greedy output, as on
-# CPU); the drafters train at the backend's default precision. STS calibration runs on the CPU
-# afterwards (train.calibrate): on the accelerator it is compile-bound. What is written to OUT_DIR:
+# CPU); the drafters train at the backend's default precision. What is written to OUT_DIR:
 # the new token shards (data.tgz), the three drafters (drafters.tar.part-*, split under 16 MB),
 # logs and curves (results.tgz), and this script's log.
 #
 # Environment knobs: CONVERSATIONS=0 skips the data generation (the committed data as is); SLOTS
 # (512) is its batch; DATA_END / FEATURES_END are the seconds at which those stages are stopped;
-# FEATURE_PROCS (4) the feature processes; GEN_XLA_FLAGS the XLA_FLAGS of both stages (default:
-# no GPU autotuning, which made every compile slower than the work it tuned); STEP_SECONDS=s skips
-# the benchmark and sizes the steps from s, the seconds of one step of each drafter together when
-# the three share the device (H200, 16 x 384: 0.027-0.031); MARGIN (1.2) divides the steps for safety; MIN_STEPS / MAX_STEPS
-# bound them; FEATURES_ON_DISK=1 keeps features off /dev/shm. The H200 runs and what each stage
-# cost: train/results/2026-12-04-gpu-budget/README.md.
+# FEATURE_PROCS (4) the feature processes; GEN_XLA_FLAGS the XLA_FLAGS of both stages (default: no
+# GPU autotuning, to keep their compiles short); STEP_SECONDS=s skips the benchmark and sizes the
+# steps from s, the seconds of one step of each drafter together when the three share the device
+# (H200, 16 x 384: 0.027-0.031); MARGIN (1.2) divides the steps for safety; MIN_STEPS / MAX_STEPS
+# bound them; CALIBRATE_SECONDS (100) is kept for stage 4 and CALIBRATE_PROMPTS (512) bounds it;
+# FEATURES_ON_DISK=1 keeps features off /dev/shm. The H200 runs and what each stage cost:
+# train/results/2026-12-04-gpu-budget/README.md and train/results/2026-12-04-gpu-budget-2/README.md.
 set -u
 OUT=${1:?usage: bash train/gpu_budget.sh OUT_DIR [SECONDS]}
 BUDGET=${2:-570}
@@ -52,6 +54,7 @@ until_() { local t=$(($1 - SECONDS)); [ "$t" -gt 1 ] && echo "$t" || echo 1; }  
 pack_data() { tar -czf "$OUT/data.tgz" --exclude=features "$DATA" 2>/dev/null; }
 pack_results() {
   tar -czf "$OUT/results.tgz" logs $RUNS/*/log.jsonl $RUNS/*/curves.png $RUNS/bench_train.* \
+    $RUNS/dspark/drafter/calibration.* $RUNS/dspark/drafter/reliability.png \
     "$DATA"/meta.json "$DATA"/features/*/features*.json 2>/dev/null
 }
 pack_drafters() {
@@ -130,14 +133,17 @@ SHARD_FLAG=""
 [ -n "$BENCH" ] && { kill $BENCH 2>/dev/null; wait $BENCH 2>/dev/null; }
 STEPS=$($PY -c "
 import json
-finish, compile_s, margin = $BUDGET - 40, 35, ${MARGIN:-1.2}
+finish, compile_s, margin = $BUDGET - 40 - ${CALIBRATE_SECONDS:-100}, 35, ${MARGIN:-1.2}
 avail = finish - $SECONDS - compile_s
+# At most MAX_EPOCHS passes over the rows trained on (16 a step: the configs' batch).
+rows = $SHARDS * 128 if '$SHARD_FLAG' else json.load(open('$DATA/meta.json'))['sequences']['train']
+epochs_cap = int(${MAX_EPOCHS:-12} * rows / 16)
 try:
     per_round = float('${STEP_SECONDS:-}') if '${STEP_SECONDS:-}' else sum(
         json.load(open('$RUNS/bench_train.json'))['step_seconds'].values())
 except (OSError, ValueError, KeyError):
     per_round = 0.25  # no measurement: a guess that keeps the run inside the budget
-print(max(${MIN_STEPS:-200}, min(${MAX_STEPS:-12000}, int(avail / (per_round * margin)) // 100 * 100)))")
+print(max(${MIN_STEPS:-200}, min(${MAX_STEPS:-12000}, epochs_cap, int(avail / (per_round * margin))) // 100 * 100))")
 WARMUP=$((STEPS / 20))
 log "fit: $STEPS steps each (warmup $WARMUP), $(left) s left"
 for kind in dspark dflash eagle3; do
@@ -154,5 +160,15 @@ wait "$FIT_dspark" "$FIT_dflash" "$FIT_eagle3"
 log "fit: done, $(left) s left"
 pack_drafters
 pack_results
+
+# 4. STS calibration in waves (a few fixed shapes; lazily compiled buckets made it compile-bound).
+if [ -d $RUNS/dspark/drafter ] && [ "$(left)" -gt 45 ]; then
+  timeout "$(until_ $((BUDGET - 10)))" $PY -m train.calibrate --drafter $RUNS/dspark/drafter --data "$DATA" \
+    --max-prompts "${CALIBRATE_PROMPTS:-512}" --slots 256 --waves > logs/calibrate.log 2>&1
+  rc=$?
+  log "calibrate: exit $rc"
+  [ $rc -eq 0 ] && pack_drafters  # a calibration stopped mid-save would leave a broken checkpoint
+  pack_results
+fi
 kill $(jobs -p) 2>/dev/null
 log "done"
