@@ -97,9 +97,10 @@ class DecodeSettings:
     # Cache slots a step's attention reads ([0, kv_len)); None = max_len. The Engine compiles a
     # step per span bucket and picks the smallest that holds every live row through the step.
     kv_len: int | None = None
-    # STS temperatures of the drafter's confidence head (DESIGN 5), one per drafted position; None:
-    # uncalibrated (all 1). Fixed per drafter checkpoint, so static.
+    # STS temperatures and shifts of the drafter's confidence head (DESIGN 5; dspark_jax.calibration),
+    # one per drafted position; None: uncalibrated (T = 1, b = 0). Fixed per drafter checkpoint, so static.
     confidence_temperatures: tuple[float, ...] | None = None
+    confidence_shifts: tuple[float, ...] | None = None
     policy: str = "fixed"  # verification-length policy (dspark_jax.schedule.POLICIES)
     # A fresh engine's gate average [G] (schedule.gate_prior): the drafter's measured per-position
     # acceptance (engine.confidence_prior); None: ones (drafting looks free until measured).
@@ -409,7 +410,7 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         if draft.proposed is not None:
             caps = jnp.minimum(caps, draft.proposed)
         z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
-    conf = jnp.where(live[:, None], confidence_probs(z, confidence_temperatures(s, g)), 0.0)  # [b, G]
+    conf = jnp.where(live[:, None], confidence_probs(z, *confidence_calibration(s, g)), 0.0)  # [b, G]
     plan = sched.schedule("none" if plain else s.policy, conf, state.lagged_confidences[:, 1], caps, sp, live)
     lengths = plan.lengths  # [b]
 
@@ -475,9 +476,10 @@ def gate_start(s: DecodeSettings) -> jax.Array:
     return jnp.asarray(s.gate_start or (1.0,) * s.block_size, jnp.float32)
 
 
-def confidence_temperatures(s: DecodeSettings, g: int) -> jax.Array:
-    """[G] the STS temperatures of the drafter's confidence head (all 1 when uncalibrated)."""
-    return jnp.asarray(s.confidence_temperatures or (1.0,) * g, jnp.float32)
+def confidence_calibration(s: DecodeSettings, g: int) -> tuple[jax.Array, jax.Array]:
+    """([G] temperatures, [G] shifts) of the drafter's confidence head (1 and 0 when uncalibrated)."""
+    return (jnp.asarray(s.confidence_temperatures or (1.0,) * g, jnp.float32),
+            jnp.asarray(s.confidence_shifts or (0.0,) * g, jnp.float32))
 
 
 

@@ -76,14 +76,14 @@ def attention_spans(max_len: int, minimum: int = 256) -> tuple[int, ...]:
     return prefill_buckets(max_len, minimum)
 
 
-def confidence_temperatures(drafter, dconfig) -> tuple[float, ...] | None:
-    """The drafter's STS temperatures (train.calibrate stores them in its checkpoint) for the
-    engine's block size: positions past the calibrated ones reuse the last temperature."""
-    temps = (getattr(drafter, "calibration", None) or {}).get("temperatures")
-    if not temps or dconfig is None or dconfig.block_size == 0:
+def confidence_calibration(drafter, dconfig, key: str) -> tuple[float, ...] | None:
+    """The drafter's calibration ("temperatures" or "shifts"; train.calibrate stores them in its
+    checkpoint) for the engine's block size: positions past the calibrated ones reuse the last."""
+    values = (getattr(drafter, "calibration", None) or {}).get(key)
+    if not values or dconfig is None or dconfig.block_size == 0:
         return None
-    temps = [float(t) for t in temps]
-    return tuple((temps + [temps[-1]] * dconfig.block_size)[:dconfig.block_size])
+    values = [float(v) for v in values]
+    return tuple((values + [values[-1]] * dconfig.block_size)[:dconfig.block_size])
 
 
 def confidence_prior(drafter, dconfig) -> tuple[float, ...] | None:
@@ -160,7 +160,8 @@ class Engine:
         self.policy = policy
         self.settings = DecodeSettings(config=config, dconfig=dconfig, slots=int(slots), max_len=max_len,
                                        verifier=verifier, policy=policy,
-                                       confidence_temperatures=confidence_temperatures(drafter, dconfig),
+                                       confidence_temperatures=confidence_calibration(drafter, dconfig, "temperatures"),
+                                       confidence_shifts=confidence_calibration(drafter, dconfig, "shifts"),
                                        gate_start=confidence_prior(drafter, dconfig))
         self.cost_table: sched.CostTable | None = None  # the full engine's; smaller buckets in .row_buckets
         self._bucket_tables: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (SPS(B), plain rate)

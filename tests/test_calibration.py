@@ -9,22 +9,24 @@ from dspark_jax import calibration as cal
 from dspark_jax.schedule import survival
 
 
-def _miscalibrated(n=20000, g=4, scale=(0.4, 2.5, 1.0, 3.0), seed=0):
-    """Rounds whose true per-position acceptance is sigmoid(u_k); the head reports z_k = u_k * s_k,
-    so T*_k = s_k is the temperature that calibrates it exactly (sigmoid(z_k / T*_k) = sigmoid(u_k))."""
+def _miscalibrated(n=20000, g=4, scale=(0.4, 2.5, 1.0, 3.0), bias=(0.0, 0.0, 0.0, 0.0), seed=0):
+    """Rounds whose true per-position acceptance is sigmoid(u_k); the head reports
+    z_k = (u_k + d_k) * s_k, so T*_k = s_k and b*_k = -d_k calibrate it exactly
+    (sigmoid(z_k / T*_k + b*_k) = sigmoid(u_k))."""
     rng = np.random.default_rng(seed)
     u = rng.normal(1.0, 1.5, size=(n, g))
     accept = rng.random((n, g)) < 1 / (1 + np.exp(-u))
     accepted = np.argmin(np.concatenate([accept, np.zeros((n, 1), bool)], axis=1), axis=1)  # first rejection
-    z = u * np.asarray(scale)
+    z = (u + np.asarray(bias)) * np.asarray(scale)
     return z, accepted, np.asarray(scale)
 
 
 def test_sts_recovers_known_temperatures_and_lowers_ece():
     z, accepted, true_t = _miscalibrated()
     survival = cal.survival_labels(accepted, z.shape[1])
-    temps = cal.fit_sts(z, survival)
+    temps, shifts = cal.fit_sts(z, survival)
     np.testing.assert_allclose(temps, true_t, rtol=0.15)
+    assert not shifts.any()  # the paper's STS: temperatures only
     before = cal.metrics_per_position(cal.survival_probs_np(z, np.ones(4)), survival)
     after = cal.metrics_per_position(cal.survival_probs_np(z, temps), survival)
     assert all(a["ece"] < 0.02 for a in after)
@@ -38,10 +40,32 @@ def test_sts_keeps_the_previous_temperature_where_events_are_too_few():
     accepted = np.minimum(accepted, 3)
     accepted[:5] = 4
     survival = cal.survival_labels(accepted, z.shape[1])
-    temps = cal.fit_sts(z, survival)
+    temps, _ = cal.fit_sts(z, survival)
     np.testing.assert_allclose(temps[:3], true_t[:3], rtol=0.15)
     assert temps[3] == temps[2]
-    assert cal.fit_sts(z, survival, min_events=0)[3] != temps[2]  # the unguarded fit goes elsewhere
+    assert cal.fit_sts(z, survival, min_events=0)[0][3] != temps[2]  # the unguarded fit goes elsewhere
+
+
+def test_shifted_sts_corrects_an_over_confident_head_that_temperatures_cannot():
+    """A head biased towards "accepted" (d = +2.5 at position 1: its logits are nearly all
+    positive, so no temperature takes its mean below 0.5 while the true rate is lower) is
+    calibrated by the shifted fit, which finds T* and b* = -d, keeps the ranking, and beats the
+    temperature-only fit's ECE and Brier on fresh rounds."""
+    scale, bias = (1.0, 2.0, 0.5, 1.0), (2.5, 1.0, -1.0, 0.5)
+    z, accepted, true_t = _miscalibrated(n=12000, scale=scale, bias=bias)
+    survival = cal.survival_labels(accepted, 4)
+    temps, shifts = cal.fit_sts(z, survival, shift=True)
+    np.testing.assert_allclose(temps, true_t, rtol=0.15)
+    np.testing.assert_allclose(shifts, -np.asarray(bias), atol=0.2)
+    z2, accepted2, _ = _miscalibrated(n=12000, scale=scale, bias=bias, seed=1)
+    survival2 = cal.survival_labels(accepted2, 4)
+    shifted = cal.metrics_per_position(cal.survival_probs_np(z2, temps, shifts), survival2)
+    plain = cal.metrics_per_position(cal.survival_probs_np(z2, *cal.fit_sts(z, survival)), survival2)
+    raw = cal.metrics_per_position(cal.survival_probs_np(z2, np.ones(4)), survival2)
+    assert all(m["ece"] < 0.02 for m in shifted)
+    assert plain[0]["ece"] > 0.04 and shifted[0]["ece"] < plain[0]["ece"] / 2
+    assert all(s["brier"] <= p["brier"] + 1e-4 for s, p in zip(shifted, plain))
+    assert shifted[0]["auroc"] == pytest.approx(raw[0]["auroc"])  # a monotone map keeps the ranking
 
 
 def test_survival_labels_and_jnp_form():
@@ -49,8 +73,10 @@ def test_survival_labels_and_jnp_form():
                                   [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
     z = np.array([[0.3, -1.0, 2.0]])
     t = np.array([0.5, 2.0, 1.0])
-    surv = survival(cal.confidence_probs(z, t))  # the engine's form: per-position, then the scheduler's cumprod
-    np.testing.assert_allclose(np.asarray(surv), cal.survival_probs_np(z, t), rtol=1e-6)
+    b = np.array([-0.4, 0.0, 1.1])
+    surv = survival(cal.confidence_probs(z, t, b))  # the engine's form: per-position, then the scheduler's cumprod
+    np.testing.assert_allclose(np.asarray(surv), cal.survival_probs_np(z, t, b), rtol=1e-6)
+    np.testing.assert_allclose(cal.survival_probs_np(z, t, b)[0, 0], 1 / (1 + np.exp(-(0.3 / 0.5 - 0.4))))
 
 
 def test_metrics_against_direct_definitions():

@@ -308,12 +308,13 @@ def test_staggered_arrival_on_real_model(real_target):
 
 def test_round_trace_reports_acceptance_and_calibrated_confidence(tiny):
     """Each live round reports its accepted length (they add up to the slot's counter) and the
-    confidence head's logits with survival = cumprod sigmoid(z / T) under the drafter's STS
-    temperatures (too few temperatures: the last one repeats)."""
+    confidence head's logits with survival = cumprod sigmoid(z / T + b) under the drafter's
+    calibration (too few values: the last one repeats)."""
     drafter = init_drafter(tiny, "dspark", seed=2, block_size=3)
-    drafter.calibration = {"temperatures": [0.5, 2.0]}
+    drafter.calibration = {"temperatures": [0.5, 2.0], "shifts": [-0.5, 0.25, 1.0]}
     engine = Engine(tiny, drafter, slots=2, max_len=128)
     assert engine.settings.confidence_temperatures == (0.5, 2.0, 2.0)
+    assert engine.settings.confidence_shifts == (-0.5, 0.25, 1.0)
     state = engine.insert_many(engine.new_state(), [(0, _prompts(1)[0], SamplingParams(max_new_tokens=20)),
                                                     (1, _prompts(1, 3)[0], SamplingParams(max_new_tokens=9))])
     accepted, logits = [[], []], []
@@ -322,7 +323,7 @@ def test_round_trace_reports_acceptance_and_calibrated_confidence(tiny):
         for s in range(2):
             z, surv = out.round_confidence_logits[s], out.round_survival[s]
             assert z.shape == surv.shape == (len(out.round_accepted[s]), 3)
-            want = np.cumprod(1 / (1 + np.exp(-z / np.array([0.5, 2.0, 2.0]))), axis=-1)
+            want = np.cumprod(1 / (1 + np.exp(-(z / np.array([0.5, 2.0, 2.0]) + np.array([-0.5, 0.25, 1.0])))), axis=-1)
             np.testing.assert_allclose(surv, want, rtol=1e-5, atol=1e-6)
             assert all(0 <= a <= 3 for a in out.round_accepted[s])
             accepted[s] += out.round_accepted[s]

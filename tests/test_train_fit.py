@@ -161,12 +161,23 @@ def test_fit_then_calibrate_then_evaluate(tiny_train_data, tmp_path, monkeypatch
                                                     max_prompts=4, max_new_tokens=12, slots=4, waves=True))
     assert waves["rounds"] == report["rounds"]
     assert [m["rate"] for m in waves["before"]] == [m["rate"] for m in report["before"]]
+    # The collected rounds are saved: a refit from them (here temperatures only) runs no verification.
+    refit = calibrate.run(calibrate.CalibrateConfig(
+        drafter=str(tmp_path / "waves"), data=tiny_train_data, shift=False,
+        rounds=os.path.join(summary["drafter"], calibrate.ROUNDS_FILE)))
+    assert refit["rounds"] == report["rounds"] and refit["shifts"] == [0.0] * 3
+    assert [m["ece"] for m in refit["before"]] == pytest.approx([m["ece"] for m in report["before"]])
+    with pytest.raises(SystemExit, match="no such file"):
+        calibrate.run(calibrate.CalibrateConfig(drafter=str(tmp_path / "waves"), data=tiny_train_data,
+                                                rounds=str(tmp_path / "missing.npz")))
     # The temperatures ship with the checkpoint, and an Engine made from it applies them.
     with open(os.path.join(tiny_train_data, "meta.json")) as f:
         target = load_target(json.load(f)["generation"]["model"])
     drafter = load_drafter(summary["drafter"], target)
     assert drafter.calibration["temperatures"] == temps
-    assert Engine(target, drafter, slots=1, max_len=128).settings.confidence_temperatures == tuple(temps)
+    settings = Engine(target, drafter, slots=1, max_len=128).settings
+    assert settings.confidence_temperatures == tuple(temps)
+    assert settings.confidence_shifts == tuple(drafter.calibration["shifts"]) and len(settings.confidence_shifts) == 3
     # Shipped drafters load by name; an unknown name lists the names there are.
     monkeypatch.setattr(drafters, "TRAINED_DIR", str(tmp_path / "trained"))
     shutil.copytree(summary["drafter"], tmp_path / "trained" / "tiny-dspark")

@@ -5,11 +5,10 @@
 1. Collect: the validation split's prompts run through the Engine with the drafter at the
    serving temperature; every verification round gives the confidence head's raw logits
    z_1..z_G and the accepted length, hence the survival indicators s_k = 1[accepted >= k].
-2. Fit one temperature per position, left to right (dspark_jax.calibration.fit_sts) on half
-   of the rounds (split by request), and report ECE, AUROC and Brier per position before and
-   after on the other half.
-3. Store the temperatures in the drafter checkpoint (drafter.json "calibration"); the Engine
-   applies them to the confidences it reports and the scheduler uses. A reliability diagram
+2. Fit a temperature and a shift per position, left to right (dspark_jax.calibration.fit_sts;
+   --no-shift: temperatures only, the paper's STS) on half of the rounds (split by request),
+   and report ECE, AUROC and Brier per position before and after on the other half.
+3. Store them in the drafter checkpoint (drafter.json "calibration"); the Engine applies them to the confidences it reports and the scheduler uses. A reliability diagram
    (PNG) and the table (markdown) go next to the checkpoint.
 """
 
@@ -40,7 +39,13 @@ class CalibrateConfig:
     """Run the prompts in waves of --slots over one row bucket (dspark_jax.batch.run_requests):
     a few fixed shapes, for accelerators, where a compile per insert size and row bucket set the
     pace (an H200 calibrated 4 prompts in its time limit that way)."""
+    shift: bool = True
+    """Fit a shift b_k with each temperature (sigmoid(z / T + b)); without it the paper's STS,
+    which cannot correct a head biased towards "accepted" (dspark_jax.calibration)."""
     seed: int = 0
+    rounds: str | None = None
+    """A calibration-rounds.npz written by an earlier run (every run writes one next to its report):
+    refit from those rounds without running verification again."""
     out: str | None = None
     """Where the report and the diagram go; default: the drafter folder."""
 
@@ -60,17 +65,32 @@ def collect(engine, prompts: Sequence[Sequence[int]], temperature: float, max_ne
     return z, accepted, request
 
 
-def calibrate(z: np.ndarray, accepted: np.ndarray, request: np.ndarray) -> dict:
+ROUNDS_FILE = "calibration-rounds.npz"
+
+
+def load_rounds(path: str, block_size: int):
+    """(z, accepted, request, serving temperature) saved by an earlier collection, checked against the drafter."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"--rounds {path}: no such file (train.calibrate writes {ROUNDS_FILE} next to its report)")
+    with np.load(path) as f:
+        z, accepted, request, temperature = f["z"], f["accepted"], f["request"], float(f["temperature"])
+    if z.ndim != 2 or z.shape[1] != block_size:
+        raise SystemExit(f"--rounds {path}: confidence logits of shape {z.shape}, but the drafter drafts "
+                         f"{block_size} tokens per block")
+    return z, accepted, request, temperature
+
+
+def calibrate(z: np.ndarray, accepted: np.ndarray, request: np.ndarray, shift: bool = True) -> dict:
     """Fit on the even requests, evaluate on the odd ones (rounds of one request stay together)."""
     g = z.shape[1]
     survival = cal.survival_labels(accepted, g)
     fit_rows, test_rows = request % 2 == 0, request % 2 == 1
     if not test_rows.any():
         fit_rows = test_rows = np.ones(len(z), bool)
-    temps = cal.fit_sts(z[fit_rows], survival[fit_rows])
+    temps, shifts = cal.fit_sts(z[fit_rows], survival[fit_rows], shift=shift)
     before = cal.survival_probs_np(z[test_rows], np.ones(g))
-    after = cal.survival_probs_np(z[test_rows], temps)
-    return {"temperatures": temps.tolist(), "rounds": int(len(z)), "rounds_fit": int(fit_rows.sum()),
+    after = cal.survival_probs_np(z[test_rows], temps, shifts)
+    return {"temperatures": temps.tolist(), "shifts": shifts.tolist(), "rounds": int(len(z)), "rounds_fit": int(fit_rows.sum()),
             "rounds_eval": int(test_rows.sum()),
             "before": cal.metrics_per_position(before, survival[test_rows]),
             "after": cal.metrics_per_position(after, survival[test_rows]),
@@ -88,11 +108,12 @@ def reliability(probs: np.ndarray, survival: np.ndarray, bins: int = cal.ECE_BIN
 
 
 def table(report: dict) -> str:
-    lines = ["| k | survival rate | ECE before | ECE after | AUROC | Brier before | Brier after | T_k |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for k, (b, a, t) in enumerate(zip(report["before"], report["after"], report["temperatures"]), 1):
-        lines.append(f"| {k} | {b['rate']:.3f} | {100 * b['ece']:.2f} % | {100 * a['ece']:.2f} % | {a['auroc']:.3f} | "
-                     f"{b['brier']:.4f} | {a['brier']:.4f} | {t:.3f} |")
+    lines = ["| k | survival rate | ECE before | ECE after | AUROC before | AUROC after | Brier before | Brier after "
+             "| T_k | b_k |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    shifts = report.get("shifts") or [0.0] * len(report["temperatures"])
+    for k, (b, a, t, sh) in enumerate(zip(report["before"], report["after"], report["temperatures"], shifts), 1):
+        lines.append(f"| {k} | {b['rate']:.3f} | {100 * b['ece']:.2f} % | {100 * a['ece']:.2f} % | {b['auroc']:.3f} | "
+                     f"{a['auroc']:.3f} | {b['brier']:.4f} | {a['brier']:.4f} | {t:.3f} | {sh:+.2f} |")
     return "\n".join(lines)
 
 
@@ -134,31 +155,40 @@ def run(cfg: CalibrateConfig) -> dict:
     drafter = load_drafter(cfg.drafter, target)
     if not drafter.config.confidence_head:
         raise SystemExit(f"{cfg.drafter}: this {drafter.kind} drafter has no confidence head to calibrate")
-    rows = data_lib.read_split(cfg.data, "validation")[:cfg.max_prompts]
-    prompts = [r["tokens"][:r["prompt_len"]].tolist() for r in rows]
     saved = drafter.calibration
-    drafter.calibration = None  # collect raw logits (the engine then reports T = 1 survival)
-    from dspark_jax.prompts import bucket
+    out = cfg.out or cfg.drafter
+    os.makedirs(out, exist_ok=True)
+    if cfg.rounds:
+        z, accepted, request, temperature = load_rounds(cfg.rounds, drafter.config.block_size)
+    else:
+        from dspark_jax.prompts import bucket
 
-    max_len = bucket(max(len(p) for p in prompts) + cfg.max_new_tokens + drafter.config.block_size + 1, minimum=128)
-    engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len, row_buckets=(cfg.slots,) if cfg.waves else None)
-    with tqdm(total=len(prompts), desc="verification rounds", unit="prompt") as bar:
-        z, accepted, request = collect(engine, prompts, cfg.temperature, cfg.max_new_tokens, cfg.seed, bar, cfg.waves)
-    report = calibrate(z, accepted, request)
-    report["serving_temperature"] = cfg.temperature
-    drafter.calibration = {**(saved or {}), "temperatures": report["temperatures"],
-                           "serving_temperature": cfg.temperature, "rounds": report["rounds"],
+        rows = data_lib.read_split(cfg.data, "validation")[:cfg.max_prompts]
+        prompts = [r["tokens"][:r["prompt_len"]].tolist() for r in rows]
+        drafter.calibration = None  # collect raw logits (the engine then reports T = 1 survival)
+        max_len = bucket(max(len(p) for p in prompts) + cfg.max_new_tokens + drafter.config.block_size + 1,
+                         minimum=128)
+        engine = Engine(target, drafter, slots=cfg.slots, max_len=max_len,
+                        row_buckets=(cfg.slots,) if cfg.waves else None)
+        with tqdm(total=len(prompts), desc="verification rounds", unit="prompt") as bar:
+            z, accepted, request = collect(engine, prompts, cfg.temperature, cfg.max_new_tokens, cfg.seed, bar,
+                                           cfg.waves)
+        temperature = cfg.temperature
+        np.savez_compressed(os.path.join(out, ROUNDS_FILE), z=z.astype(np.float32), accepted=accepted,
+                            request=request, temperature=cfg.temperature)
+    report = calibrate(z, accepted, request, cfg.shift)
+    report["serving_temperature"] = temperature
+    drafter.calibration = {**(saved or {}), "temperatures": report["temperatures"], "shifts": report["shifts"],
+                           "serving_temperature": temperature, "rounds": report["rounds"],
                            # The engine's gate starts a fresh engine from these (engine.confidence_prior).
                            "survival_rates": [m["rate"] for m in report["before"]],
                            "ece_before": [m["ece"] for m in report["before"]],
                            "ece_after": [m["ece"] for m in report["after"]]}
     save_drafter(drafter, cfg.drafter)
-    out = cfg.out or cfg.drafter
-    os.makedirs(out, exist_ok=True)
     plot(report, os.path.join(out, "reliability.png"))
     with open(os.path.join(out, "calibration.md"), "w") as f:
         f.write(f"STS on {report['rounds_fit']} rounds, evaluated on {report['rounds_eval']} others "
-                f"(temperature {cfg.temperature}):\n\n{table(report)}\n")
+                f"(temperature {temperature}):\n\n{table(report)}\n")
     with open(os.path.join(out, "calibration.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
