@@ -83,6 +83,11 @@ class SlotState:
     gate_rounds: jax.Array  # [slots] int32 drafted rounds in that average (0: the next one replaces it)
     probe_gap: jax.Array  # [] int32 rounds from the last drafted round to the next probe (sched.next_probe_gap)
     next_probe: jax.Array  # [] int32 the value of `forwards` from which the next round probes
+    # Serving-time correction of the calibration (sched.online_ratio): decayed sums [G], over the
+    # draft positions verification tested, of their calibrated confidence and of their accept
+    # indicator. Every policy reads confidences times their ratio (sched.corrected).
+    online_predicted: jax.Array
+    online_accepted: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +140,7 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
     mod = drafter_module(s)
     dstate = None if mod is None else mod.init_state(dparams, s.config, s.dconfig, n, s.max_len)
     zeros = jnp.zeros((n,), jnp.int32)
+    online = sched.online_prior(g)
     return SlotState(
         cache=init_cache(s.config, n, s.max_len, params["embed"].dtype), drafter=dstate, anchor=zeros,
         occupied=jnp.zeros((n,), bool), done=jnp.ones((n,), bool), finish_reason=zeros,
@@ -148,7 +154,8 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         gate_confidences=jnp.broadcast_to(gate_start(s), (n, g)),
         gate_rounds=zeros,
         probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
-        next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32))
+        next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
+        online_predicted=online[0], online_accepted=online[1])
 
 
 @jax.tree_util.register_dataclass
@@ -355,7 +362,8 @@ def no_draft(b: int, vocab: int) -> DraftOutput:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundTrace:
-    """Per round and row: raw confidence logits [b, G], calibrated survival [b, G], verified
+    """Per round and row: raw confidence logits [b, G], the survival the policy read [b, G]
+    (STS-calibrated; times the online correction under the policies that read it), verified
     lengths [b] and accepted lengths [b] (-1 for a row that was not live)."""
 
     confidence_logits: jax.Array
@@ -410,7 +418,9 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         if draft.proposed is not None:
             caps = jnp.minimum(caps, draft.proposed)
         z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
-    conf = jnp.where(live[:, None], confidence_probs(z, *confidence_calibration(s, g)), 0.0)  # [b, G]
+    calibrated = jnp.where(live[:, None], confidence_probs(z, *confidence_calibration(s, g)), 0.0)  # [b, G]
+    # [b, G] what the policy reads: the policies that read confidences get them corrected
+    conf = sched.corrected(calibrated, online_ratio(state)) if s.policy in sched.CONFIDENCE_POLICIES else calibrated
     plan = sched.schedule("none" if plain else s.policy, conf, state.lagged_confidences[:, 1], caps, sp, live)
     lengths = plan.lengths  # [b]
 
@@ -461,8 +471,12 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         lagged_confidences=(state.lagged_confidences if plain
                             else jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1)),
         gate_confidences=(state.gate_confidences if plain
-                          else sched.gate_average(state.gate_confidences, state.gate_rounds, conf, live)),
+                          else sched.gate_average(state.gate_confidences, state.gate_rounds, calibrated, live)),
         gate_rounds=state.gate_rounds if plain else state.gate_rounds + live.astype(jnp.int32))
+    if not plain:
+        predicted, hits = sched.online_update(state.online_predicted, state.online_accepted, calibrated, tried,
+                                              accepted)
+        state = dataclasses.replace(state, online_predicted=predicted, online_accepted=hits)
     trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
@@ -474,6 +488,11 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
 def gate_start(s: DecodeSettings) -> jax.Array:
     """[G] a fresh engine's gate average (s.gate_start, ones when none is known)."""
     return jnp.asarray(s.gate_start or (1.0,) * s.block_size, jnp.float32)
+
+
+def online_ratio(state: SlotState) -> jax.Array:
+    """[G] the serving-time correction of the calibration (sched.online_ratio)."""
+    return sched.online_ratio(state.online_predicted, state.online_accepted)
 
 
 def confidence_calibration(s: DecodeSettings, g: int) -> tuple[jax.Array, jax.Array]:
@@ -531,7 +550,7 @@ def gate_drafts(state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Arr
     if measured_only:
         live = live & (state.gate_rounds > 0)
         caps = jnp.where(live, caps, 0)
-    return sched.drafting_pays(state.gate_confidences, caps, sp, live, due)
+    return sched.drafting_pays(sched.corrected(state.gate_confidences, online_ratio(state)), caps, sp, live, due)
 
 
 def gate_at_start(state: SlotState, sp: sched.ScheduleParams, *, rounds: int, rows: int, s: DecodeSettings):
@@ -551,11 +570,11 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
     """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
 
     `shut` (static; the dspark policies only): the gate is closed at the step's start
-    (gate_at_start). The step then runs plain rounds in one flat loop while the gate stays closed
-    and ends early, before the first round that would draft; the next step (with the gate open)
-    drafts it. At high load, where the gate stays closed, such a step costs what plain decoding
-    costs: the nested loops of a step that may draft cost ~5 ms more per step at 16 rows here
-    (39 vs 42-46 ms per one-round step) even when it drafts nothing.
+    (gate_at_start). The step then runs plain rounds in one flat loop until a probe is due or a
+    row leaves (the only events that can open the gate) and ends there; the engine asks the gate
+    before the next step. At high load, where the gate stays closed, such a step costs what plain
+    decoding costs: the nested loops of a step that may draft cost ~5 ms more per step at 16 rows
+    here (39 vs 42-46 ms per one-round step) even when it drafts nothing.
 
     Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32,
     trace, load): slot r committed tokens[r, :counts[r]] in this call, its first token (from
@@ -603,7 +622,18 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
     if mod is None or s.policy not in sched.TABLE_POLICIES:
         carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none"), carry)
     elif shut:
-        carry = plain_while_shut(carry)
+        # Plain rounds until the gate could open: plain rounds leave its confidences as they are
+        # and only shrink the rows' caps, so only a due probe or a row leaving can open it. Those
+        # two scalar tests replace the gate itself (asked every round it cost ~3 % of a plain
+        # round at 4 rows on CPU); the step ends there and the engine asks the gate before the next.
+        probe_at = jnp.maximum(state.next_probe, sched.probe_floor(sp, b))
+        rows_live = jnp.sum(~state.done)
+
+        def closed(c):
+            st = c[1]
+            return going(c) & (st.forwards < probe_at) & (jnp.sum(~st.done) == rows_live)
+
+        carry = jax.lax.while_loop(closed, functools.partial(body, True), carry)
     else:
         # The dspark gate decides each round whether to draft at all. Its two kinds of round run
         # in two inner loops, plain rounds while the gate is closed and then one drafted round: a

@@ -51,7 +51,8 @@ class StepOutput:
     accepted: list[int]  # ... of which the target accepted
     rounds: int  # rounds run (fewer than asked when every slot was done)
     # Per slot, one entry per round the slot was live in this call: accepted draft tokens, the
-    # drafter's raw confidence logits [G] and their STS-calibrated survival probabilities [G].
+    # drafter's raw confidence logits [G] and the survival probabilities [G] the policy read
+    # (STS-calibrated; under the policies that read them, times the online correction).
     round_accepted: list[list[int]] = dataclasses.field(default_factory=list)
     round_confidence_logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # [rounds_live, G]
     round_survival: list[np.ndarray] = dataclasses.field(default_factory=list)  # [rounds_live, G]
@@ -584,8 +585,9 @@ class Engine:
         """Run up to `rounds` decoding rounds for every live slot in one device loop and copy
         the committed tokens to the host once.
 
-        A dspark step that starts with its gate closed ends before the first round that would
-        draft (decode.step's `shut`), so it may run fewer rounds; `out.rounds` says how many ran.
+        A dspark step that starts with its gate closed runs plain rounds until its gate could
+        open (a probe due, a row leaving; decode.step's `shut`), so it may run fewer rounds;
+        `out.rounds` says how many ran.
 
         `policy` overrides the engine's verification-length policy for this call (one compiled
         program per policy); `max_length` caps the draft tokens any row verifies (data: any value

@@ -328,7 +328,9 @@ def slot_state_axes(state):
     return dataclasses.replace(per_slot, cache=kv_cache_axes(state.cache), drafter=drafter_state_axes(state.drafter),
                                forwards=(), row_rounds=(), committed=(), probe_gap=(), next_probe=(),
                                tried=replicated_axes(state.tried),
-                               accepted_at=replicated_axes(state.accepted_at))
+                               accepted_at=replicated_axes(state.accepted_at),
+                               online_predicted=replicated_axes(state.online_predicted),
+                               online_accepted=replicated_axes(state.online_accepted))
 
 
 def replicated_axes(tree):
