@@ -85,7 +85,7 @@ class SlotState:
     next_probe: jax.Array  # [] int32 the value of `forwards` from which the next round probes
     # Serving-time correction of the calibration (sched.online_ratio): decayed sums [G], over the
     # draft positions verification tested, of their calibrated confidence and of their accept
-    # indicator. Every policy reads confidences times their ratio (sched.corrected).
+    # indicator. The policies that read confidences read them times their ratio (sched.corrected).
     online_predicted: jax.Array
     online_accepted: jax.Array
 
@@ -140,7 +140,6 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
     mod = drafter_module(s)
     dstate = None if mod is None else mod.init_state(dparams, s.config, s.dconfig, n, s.max_len)
     zeros = jnp.zeros((n,), jnp.int32)
-    online = sched.online_prior(g)
     return SlotState(
         cache=init_cache(s.config, n, s.max_len, params["embed"].dtype), drafter=dstate, anchor=zeros,
         occupied=jnp.zeros((n,), bool), done=jnp.ones((n,), bool), finish_reason=zeros,
@@ -155,7 +154,7 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         gate_rounds=zeros,
         probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
         next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
-        online_predicted=online[0], online_accepted=online[1])
+        online_predicted=jnp.zeros((g,), jnp.float32), online_accepted=jnp.zeros((g,), jnp.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -473,10 +472,9 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         gate_confidences=(state.gate_confidences if plain
                           else sched.gate_average(state.gate_confidences, state.gate_rounds, calibrated, live)),
         gate_rounds=state.gate_rounds if plain else state.gate_rounds + live.astype(jnp.int32))
-    if not plain:
-        predicted, hits = sched.online_update(state.online_predicted, state.online_accepted, calibrated, tried,
-                                              accepted)
-        state = dataclasses.replace(state, online_predicted=predicted, online_accepted=hits)
+    # Every round ages the sums, a plain one included (sched.online_update).
+    predicted, hits = sched.online_update(state.online_predicted, state.online_accepted, calibrated, tried, accepted)
+    state = dataclasses.replace(state, online_predicted=predicted, online_accepted=hits)
     trace = RoundTrace(confidence_logits=z, survival=sched.survival(conf), lengths=jnp.where(live, lengths, 0),
                        accepted=jnp.where(live, n_acc, -1).astype(jnp.int32))
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
@@ -536,16 +534,20 @@ def step_rows(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams,
     return state, pad(tokens), pad(counts), ran, trace, load
 
 
+def probe_due_at(state: SlotState, sp: sched.ScheduleParams) -> jax.Array:
+    """[] int32 the value of `forwards` from which the gate probes. next_probe counts from the
+    last drafted round; the load's floor (sched.probe_floor) also holds for a fresh engine's first
+    probe (its last drafted round is "forward 0")."""
+    return jnp.maximum(state.next_probe, sched.probe_floor(sp, state.done.shape[0]))
+
+
 def gate_drafts(state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Array, *, s: DecodeSettings,
                 probes: bool = True, measured_only: bool = False) -> jax.Array:
     """[] bool: whether the dspark gate (sched.drafting_pays) drafts the next round, a probe
     included when one is due (`probes`). With `measured_only`, rows whose average holds no
     drafted round yet carry no evidence. Reads only the gate's fields, the rows' budgets and
     cache lengths (gate_at_start runs it on those fields alone)."""
-    b = state.done.shape[0]
-    # next_probe counts from the last drafted round; the floor also holds for a fresh engine's
-    # first probe (its last drafted round is "forward 0").
-    due = probes & (state.forwards >= jnp.maximum(state.next_probe, sched.probe_floor(sp, b)))
+    due = probes & (state.forwards >= probe_due_at(state, sp))
     live, caps = ~state.done, round_caps(state, s, rounds_left)
     if measured_only:
         live = live & (state.gate_rounds > 0)
@@ -626,7 +628,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         # and only shrink the rows' caps, so only a due probe or a row leaving can open it. Those
         # two scalar tests replace the gate itself (asked every round it cost ~3 % of a plain
         # round at 4 rows on CPU); the step ends there and the engine asks the gate before the next.
-        probe_at = jnp.maximum(state.next_probe, sched.probe_floor(sp, b))
+        probe_at = probe_due_at(state, sp)
         rows_live = jnp.sum(~state.done)
 
         def closed(c):

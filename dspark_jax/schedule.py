@@ -77,9 +77,11 @@ GATE_DECAY = 0.75
 # distribution, and served prompts differ (measured: the shipped drafter's position-1 confidence
 # 0.45 on the rows the schedule verified at batch 4 on MT-Bench + HumanEval, 0.32 accepted).
 # Every verified draft position adds its calibrated conditional confidence and its accept
-# indicator to per-position sums that forget at ONLINE_DECAY per event; the policies read
-# confidences times their ratio. The sums start at ONLINE_PRIOR events at ratio 1.
-ONLINE_PRIOR = 8.0
+# indicator to per-position sums that forget at ONLINE_DECAY per event, and per round at least
+# once; the policies read confidences times their ratio, in which ONLINE_PRIOR pseudo-events at
+# ratio 1 never fade. So where a low ratio stops every draft (no new events), the ratio drifts
+# back to 1 and drafting is tried again, instead of staying shut for good.
+ONLINE_PRIOR = 4.0
 ONLINE_DECAY = 0.99
 ONLINE_RATIO_RANGE = (0.25, 2.0)
 
@@ -325,29 +327,24 @@ def next_probe_gap(gap: jax.Array, paid: jax.Array, floor: jax.Array | int = PRO
     return jnp.where(paid, floor, doubled).astype(jnp.int32)
 
 
-def online_prior(block_size: int) -> tuple[jax.Array, jax.Array]:
-    """([G] predicted, [G] accepted) sums of a fresh engine: ONLINE_PRIOR events at ratio 1."""
-    prior = jnp.full((block_size,), ONLINE_PRIOR, jnp.float32)
-    return prior, prior
-
-
 def online_update(predicted: jax.Array, accepted: jax.Array, confidences: jax.Array, tried: jax.Array,
                   hit: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The sums [G] after a round where `tried` [R, G] marks the positions verification tested
     (verified, every earlier one accepted), `hit` [R, G] those it accepted and `confidences`
     [R, G] the calibrated conditional confidences they had: each event weighs 1 and ages the
-    older ones by ONLINE_DECAY, so the ratio follows the last ~1 / (1 - ONLINE_DECAY) events."""
+    older ones by ONLINE_DECAY (a round with none at a position ages it as one would), so the
+    ratio follows the last ~1 / (1 - ONLINE_DECAY) events or rounds."""
     events = jnp.sum(tried, axis=0, dtype=jnp.float32)  # [G]
-    age = ONLINE_DECAY ** events
+    age = ONLINE_DECAY ** jnp.maximum(events, 1.0)
     predicted = age * predicted + jnp.sum(jnp.where(tried, confidences, 0.0), axis=0)
     accepted = age * accepted + jnp.sum(tried & hit, axis=0, dtype=jnp.float32)
     return predicted, accepted
 
 
 def online_ratio(predicted: jax.Array, accepted: jax.Array) -> jax.Array:
-    """[G] accepted over predicted (clipped to ONLINE_RATIO_RANGE): what the served prompts make
-    of the offline calibration at each position."""
-    return jnp.clip(accepted / jnp.maximum(predicted, 1e-6), *ONLINE_RATIO_RANGE)
+    """[G] accepted over predicted, ONLINE_PRIOR pseudo-events at ratio 1 included, clipped to
+    ONLINE_RATIO_RANGE: what the served prompts make of the offline calibration at each position."""
+    return jnp.clip((accepted + ONLINE_PRIOR) / (predicted + ONLINE_PRIOR), *ONLINE_RATIO_RANGE)
 
 
 def corrected(confidences: jax.Array, ratio: jax.Array) -> jax.Array:

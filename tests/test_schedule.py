@@ -235,6 +235,46 @@ def test_gate_average_replaces_its_start_then_decays():
     assert float(avg[1, 0]) == 1.0
 
 
+def test_online_sums_weigh_each_event_by_what_came_after_it():
+    """online_update against its closed form: an event of round t weighs ONLINE_DECAY to the power
+    of the events after it at its position, a round with none there counting as one; the ratio
+    adds ONLINE_PRIOR pseudo-events at 1, so with no news it drifts back to 1."""
+    rng = np.random.default_rng(0)
+    rows, block, rounds = 3, 4, 40
+    conf = rng.uniform(0.2, 1.0, (rounds, rows, block)).astype(np.float32)
+    lengths = rng.integers(0, block + 1, (rounds, rows))
+    lengths[5:9] = 0  # rounds with no event at any position
+    n_acc = rng.integers(0, block + 1, (rounds, rows))
+    k = np.arange(block)
+    tried = (k < lengths[..., None]) & (k <= n_acc[..., None])  # [rounds, rows, G] like decode_round's
+    hit = tried & (k < n_acc[..., None])
+    predicted = accepted = jnp.zeros((block,), jnp.float32)
+    for t in range(rounds):
+        predicted, accepted = sched.online_update(predicted, accepted, jnp.asarray(conf[t]), jnp.asarray(tried[t]),
+                                                  jnp.asarray(hit[t]))
+    ages = np.maximum(tried.sum(axis=1), 1)  # [rounds, G]
+    after = np.cumsum(ages[::-1], axis=0)[::-1] - ages  # the ages of the rounds after each
+    weight = sched.ONLINE_DECAY ** after  # [rounds, G]
+    expect_pred = (weight * np.where(tried, conf, 0).sum(axis=1)).sum(axis=0)
+    expect_acc = (weight * hit.sum(axis=1)).sum(axis=0)
+    np.testing.assert_allclose(np.asarray(predicted), expect_pred, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(accepted), expect_acc, rtol=1e-5)
+    ratio = np.clip((expect_acc + sched.ONLINE_PRIOR) / (expect_pred + sched.ONLINE_PRIOR), *sched.ONLINE_RATIO_RANGE)
+    np.testing.assert_allclose(np.asarray(sched.online_ratio(predicted, accepted)), ratio, rtol=1e-5)
+    # Clipped at both ends; and after many rounds without events the correction is gone.
+    many = jnp.full((block,), 1e4, jnp.float32)
+    np.testing.assert_allclose(np.asarray(sched.online_ratio(many, 0 * many)), sched.ONLINE_RATIO_RANGE[0])
+    np.testing.assert_allclose(np.asarray(sched.online_ratio(many, 3 * many)), sched.ONLINE_RATIO_RANGE[1])
+    nothing = jnp.zeros((rows, block), bool)
+    low = (many, 0 * many)
+    for _ in range(1500):
+        low = sched.online_update(*low, jnp.ones((rows, block)), nothing, nothing)
+    np.testing.assert_allclose(np.asarray(sched.online_ratio(*low)), 1.0, atol=0.01)
+    np.testing.assert_allclose(np.asarray(sched.corrected(jnp.asarray([[0.8, 0.6, 0.3, 0.1]]),
+                                                          jnp.asarray([2.0, 0.5, 1.0, 0.25]))),
+                               [[1.0, 0.3, 0.3, 0.025]], rtol=1e-6)
+
+
 def test_a_new_request_starts_its_gate_from_the_measured_slots(tiny):
     from dspark_jax import Engine, SamplingParams
 
@@ -466,6 +506,32 @@ def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny, plain):
         r += 1 + gap
     assert len(drafted) > 200 and len(expected) >= 3
     assert [r for r, d in enumerate(drafted) if d] == expected  # even confidences of one do not pay
+
+
+def test_an_over_confident_head_is_corrected_online_and_retried(tiny):
+    """A head that says ~1 where the untrained drafter's first token is accepted ~1 time in 6:
+    the threshold policy first verifies whole blocks, then the online ratio takes its lengths to
+    zero within a few rounds; with no new evidence the ratio drifts back and a later round tries
+    drafting again (a correction that stopped drafting for good would learn nothing more)."""
+    import dataclasses
+
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    over = dataclasses.replace(drafter, calibration={"temperatures": [1.0] * 3, "shifts": [8.0] * 3})
+    engine = Engine(target, over, slots=4, max_len=256, policy="threshold", threshold=0.5, row_buckets=[4])
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=220, ignore_eos=True))
+                                                    for i, p in enumerate(_prompts(3, seed=4))])
+    lengths = []
+    while not bool(np.asarray(state.done)[0]):
+        state, out = engine.step(state, rounds=32)
+        lengths += out.round_lengths[0]
+    tried, hits = np.asarray(state.tried)[0], np.asarray(state.accepted_at)[0]
+    assert hits / tried < 0.35  # the head's ~1 is far off
+    assert lengths[0] == 3 and all(n == 0 for n in lengths[4:30])
+    assert 0 < sum(lengths[30:]) <= 0.1 * 3 * len(lengths[30:])  # retried now and then, not every round
+    ratio = np.asarray(sched.online_ratio(state.online_predicted, state.online_accepted))[0]
+    assert ratio < 0.6
 
 
 def test_a_fresh_engine_starts_its_gate_from_the_measured_acceptance(tiny):
