@@ -516,6 +516,7 @@ def test_an_over_confident_head_is_corrected_online_and_retried(tiny):
     import dataclasses
 
     from dspark_jax import Engine, SamplingParams
+    from dspark_jax.decode import online_ratio
 
     target, drafter, _ = tiny
     over = dataclasses.replace(drafter, calibration={"temperatures": [1.0] * 3, "shifts": [8.0] * 3})
@@ -530,7 +531,7 @@ def test_an_over_confident_head_is_corrected_online_and_retried(tiny):
     assert hits / tried < 0.35  # the head's ~1 is far off
     assert lengths[0] == 3 and all(n == 0 for n in lengths[4:30])
     assert 0 < sum(lengths[30:]) <= 0.1 * 3 * len(lengths[30:])  # retried now and then, not every round
-    ratio = np.asarray(sched.online_ratio(state.online_predicted, state.online_accepted))[0]
+    ratio = np.asarray(online_ratio(state))[0]
     assert ratio < 0.6
 
 
