@@ -4,8 +4,9 @@ For each batch size, every policy runs the same greedy requests (MT-Bench first 
 HumanEval prompts, alternating; `--new-tokens` each, EOS ignored) through an Engine with one
 slot per request, in the same process, repeat after repeat (policies interleaved, so machine
 noise hits them alike). Reports system throughput (committed tokens per second), per-request
-speed (a request's tokens over its own latency, mean over requests), the mean draft tokens
-verified per request per round and tau; "threshold" is the best of a small theta sweep.
+speed (a request's tokens over its own latency, mean over requests), each policy's ratio to
+"none" paired repeat by repeat (median and range), the mean draft tokens verified per request
+per round and tau; "threshold" is the best of a small theta sweep.
 The dspark policies share one cost table per batch size, profiled on this machine (or loaded
 with --sps-dir). Writes results.json, results.md and a plot of throughput against per-request
 speed (one curve per policy) to --out.
@@ -110,17 +111,23 @@ def main() -> None:
                 engine.sps_table = table
             run_batch(engine, prompts, args.new_tokens, args.rounds)  # untimed: compiles what the runs use
         runs = {(policy, theta): [] for policy, theta, _ in configs}
-        for _ in range(args.repeats):
-            for policy, theta, engine in configs:
+        for repeat in range(args.repeats):
+            # The order alternates, so no policy always runs right after the same neighbour.
+            for policy, theta, engine in (configs if repeat % 2 == 0 else configs[::-1]):
                 runs[(policy, theta)].append(run_batch(engine, prompts, args.new_tokens, args.rounds))
+        base = runs.get(("none", None))
         for (policy, theta), reps in runs.items():
             row = {"batch": batch, "policy": policy, "threshold": theta,
                    **{k: statistics.mean(r[k] for r in reps) for k in reps[0]},
-                   "throughput_runs": [r["throughput"] for r in reps]}
+                   "throughput_runs": [r["throughput"] for r in reps],
+                   # Each repeat's ratio to the "none" run beside it: machine drift cancels in pairs.
+                   "vs_none_runs": [r["throughput"] / b["throughput"] for r, b in zip(reps, base)] if base else []}
             results.append(row)
             spread = f"{min(row['throughput_runs']):.1f}-{max(row['throughput_runs']):.1f}"
             name = policy if theta is None else f"threshold {theta:g}"
-            print(f"batch {batch:3d}  {name:>15}  {row['throughput']:7.1f} tok/s (runs {spread})  "
+            paired = (f"  vs none {statistics.median(row['vs_none_runs']):.3f} "
+                      f"({min(row['vs_none_runs']):.3f}-{max(row['vs_none_runs']):.3f})" if base else "")
+            print(f"batch {batch:3d}  {name:>15}  {row['throughput']:7.1f} tok/s (runs {spread}){paired}  "
                   f"{row['per_request']:6.2f} tok/s/request  verified {row['verified_per_round']:.2f}  "
                   f"tau {row['tau']:.2f}", flush=True)
         write(results, args)  # after every batch size: a run cut short keeps what it measured
@@ -146,12 +153,15 @@ def best_rows(results: list[dict]) -> list[dict]:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| batch | policy | tokens/s (system) | runs | tokens/s per request | verified / round | tau |",
-             "|--:|---|--:|---|--:|--:|--:|"]
+    lines = ["| batch | policy | tokens/s (system) | runs | / none, paired median (range) | tokens/s per request "
+             "| verified / round | tau |",
+             "|--:|---|--:|---|---|--:|--:|--:|"]
     for r in best_rows(results):
         name = r["policy"] if r["threshold"] is None else f"threshold ({r['threshold']:g})"
         runs = " ".join(f"{x:.1f}" for x in r["throughput_runs"])
-        lines.append(f"| {r['batch']} | {name} | {r['throughput']:.1f} | {runs} | {r['per_request']:.2f} | "
+        ratios = r.get("vs_none_runs") or []
+        paired = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else ""
+        lines.append(f"| {r['batch']} | {name} | {r['throughput']:.1f} | {runs} | {paired} | {r['per_request']:.2f} | "
                      f"{r['verified_per_round']:.2f} | {r['tau']:.2f} |")
     return "\n".join(lines) + "\n"
 

@@ -591,32 +591,43 @@ def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):
 
 
 def test_plain_rounds_keep_the_drafter_context(tiny):
-    """A drafter engine's plain rounds (policy "none" per call) emit the plain greedy tokens and
-    give the drafter's context the same K/V as rounds that verify whole blocks."""
+    """A drafter engine's plain rounds (policy "none" per call) and a closed dspark gate's (the
+    plain-only `shut` program) emit the plain greedy tokens and give the drafter's context the
+    same K/V as rounds that verify whole blocks, so the gate's next probe drafts from it."""
     from dspark_jax import Engine, SamplingParams, generate
 
     target, drafter, _ = tiny
     prompts = _prompts(3, seed=4)
+    closed = np.asarray([1.0] * 5 + [0.1] * 12)  # B > 4: any draft token costs far more than it gains
 
-    def run(policy):
-        eng = Engine(target, drafter, slots=4, max_len=128, policy="fixed")
+    def run(policy, rounds=2):
+        eng = Engine(target, drafter, slots=4, max_len=128, policy="fixed", sps_table=closed)
         st = eng.insert_many(eng.new_state(), [(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)])
         tokens = [[] for _ in prompts]
+        drafted = []
         while not all(bool(d) for d in np.asarray(st.done)[:3]):
-            st, out = eng.step(st, rounds=2, policy=policy)
+            st, out = eng.step(st, rounds=rounds, policy=policy)
+            drafted += [bool(np.any(z)) for z in out.round_confidence_logits[0]]
             for i in range(3):
                 tokens[i] += out.tokens[i]
-        return st, tokens
+        return st, tokens, drafted
 
-    plain_state, plain_tokens = run("none")
-    fixed_state, fixed_tokens = run("fixed")
-    assert plain_tokens == fixed_tokens == generate(target, prompts, max_new_tokens=24).token_ids
+    plain_state, plain_tokens, _ = run("none")
+    fixed_state, fixed_tokens, _ = run("fixed")
+    shut_state, shut_tokens, shut_drafted = run("dspark", rounds=8)
+    assert shut_drafted.count(False) >= 16  # the gate's first probe is 16 rounds in: those ran shut
+    assert plain_tokens == fixed_tokens == shut_tokens == generate(target, prompts, max_new_tokens=24).token_ids
     lengths = np.asarray(plain_state.cache.lengths)
-    assert lengths[:3].tolist() == np.asarray(fixed_state.cache.lengths)[:3].tolist()
-    for a, b in ((plain_state.drafter.k, fixed_state.drafter.k), (plain_state.drafter.v, fixed_state.drafter.v)):
-        for row in range(3):  # every committed position's context K/V, however it was committed
+    for other in (fixed_state, shut_state):
+        assert lengths[:3].tolist() == np.asarray(other.cache.lengths)[:3].tolist()
+        for a, b in ((plain_state.drafter.k, other.drafter.k), (plain_state.drafter.v, other.drafter.v)):
+            for row in range(3):  # every committed position's context K/V, however it was committed
+                np.testing.assert_allclose(np.asarray(a[:, row, :, :lengths[row]], np.float32),
+                                           np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=0.02, atol=0.02)
+    for a, b in ((plain_state.drafter.k, shut_state.drafter.k), (plain_state.drafter.v, shut_state.drafter.v)):
+        for row in range(3):  # the same projections of the same features: equal up to float rounding
             np.testing.assert_allclose(np.asarray(a[:, row, :, :lengths[row]], np.float32),
-                                       np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=0.02, atol=0.02)
+                                       np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=1e-4, atol=1e-5)
 
 
 def test_dspark_span_plans_for_plain_rounds_and_drafts_are_cut_to_it(tiny, tmp_path_factory):
