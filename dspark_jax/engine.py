@@ -128,7 +128,8 @@ class Engine:
 
     def __init__(self, target, drafter=None, *, slots: int = 8, max_len: int = 2048, block_size: int | None = None,
                  verifier: str = "jnp", mesh=None, rules=None, policy: str = "fixed", sps_table=None,
-                 threshold: float = sched.DEFAULT_THRESHOLD, row_buckets: Sequence[int] | None = None):
+                 threshold: float = sched.DEFAULT_THRESHOLD, row_buckets: Sequence[int] | None = None,
+                 sps_cache: str | None = None):
         if not isinstance(slots, (int, np.integer)) or slots < 1:
             raise ValueError(f"slots must be a positive integer, got {slots!r}")
         if verifier not in VERIFIERS:
@@ -165,6 +166,10 @@ class Engine:
                                        confidence_shifts=confidence_calibration(drafter, dconfig, "shifts"),
                                        gate_start=confidence_prior(drafter, dconfig))
         self.cost_table: sched.CostTable | None = None  # the full engine's; smaller buckets in .row_buckets
+        # Where a table profiled at warmup is kept and read back (table_cache; None: always profile),
+        # and where the table in use came from ("given", "profiled", or "cache PATH").
+        self.sps_cache = sps_cache
+        self.cost_table_source: str | None = None
         self._bucket_tables: dict[int, tuple[jax.Array, jax.Array]] = {}  # rows -> (SPS(B), plain rate)
         self._schedule = sched.ScheduleParams(
             sps_table=jnp.zeros((sched.table_size(int(slots), self.settings.block_size),), jnp.float32),
@@ -262,6 +267,7 @@ class Engine:
                              f"got shape {np.shape(table)}")
         self.cost_table = cost
         self._bucket_tables = tables
+        self.cost_table_source = "given"  # profile() and the cache name themselves after this
 
     def _bucket_table(self, rows: int, cost: sched.CostTable, given) -> tuple[jax.Array, jax.Array]:
         """(SPS(B) [rows * (G + 1) + 1], plain rate) of a row bucket from its table (checked)."""
@@ -299,11 +305,25 @@ class Engine:
         tables = [sched.profile_sps(self, max_tokens, rows=rows) for rows in self.row_buckets]
         table = dataclasses.replace(tables[-1], row_buckets=tables[:-1])
         self.sps_table = table
+        self.cost_table_source = "profiled"
+        if self.sps_cache and max_tokens is None:
+            from dspark_jax import table_cache
+
+            table_cache.save(self, table, self.sps_cache)
         return table
 
     def _profile_missing(self) -> None:
-        """Profile the row buckets that have no table yet (a table given for the full engine only)."""
+        """Profile the row buckets that have no table yet (a table given for the full engine only);
+        with no table at all, read back this engine's cached one (sps_cache) when there is one."""
         if self.cost_table is None:
+            if self.sps_cache:
+                from dspark_jax import table_cache
+
+                cached = table_cache.load(self, self.sps_cache)
+                if cached is not None:
+                    self.sps_table, path = cached
+                    self.cost_table_source = f"cache {path}"
+                    return
             self.profile()
             return
         new = [sched.profile_sps(self, rows=rows) for rows in self.row_buckets if rows not in self._bucket_tables]

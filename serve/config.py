@@ -18,6 +18,7 @@ class ServeConfig:
     max_len: int = 2048
     policy: str | None = None  # default: "dspark" with a drafter, else "none"
     sps_table: str | None = None
+    reprofile: bool = False  # profile the cost table even when the cache holds one for this engine
     block_size: int | None = None
     mesh: str = ""
     metrics_port: int | None = None
@@ -51,7 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=None, choices=list(POLICIES),
                         help="verification-length policy (default: dspark with a drafter, none without)")
     parser.add_argument("--sps-table", default=None, help="cost table JSON (python -m dspark_jax.schedule); "
-                        "default: profiled at start-up for the dspark policies")
+                        "default: profiled at start-up for the dspark policies, then kept in "
+                        "DSPARK_CACHE_DIR/sps and read back by a later start of the same engine on this "
+                        "machine (DSPARK_SPS_CACHE=0 turns that off)")
+    parser.add_argument("--reprofile", action="store_true",
+                        help="profile the cost table at start-up even when a cached one matches")
     parser.add_argument("--block-size", type=int, default=None, help="draft tokens per round (default: the drafter's)")
     parser.add_argument("--mesh", default=d.mesh, help="device mesh, e.g. data=1,tensor=4 (default: one device)")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (default: off)")

@@ -50,7 +50,7 @@ def resolve_drafter(config: ServeConfig) -> str | None:
 
 def build_engine(config: ServeConfig):
     """(target, drafter name or None, Engine) as the config says; clear errors for bad values."""
-    from dspark_jax import Engine, load_target, sharding
+    from dspark_jax import Engine, load_target, sharding, table_cache
     from dspark_jax.drafters import load_drafter
 
     mesh = None
@@ -61,8 +61,9 @@ def build_engine(config: ServeConfig):
     drafter_name = resolve_drafter(config)
     drafter = load_drafter(drafter_name, target) if drafter_name else None
     policy = config.policy or ("dspark" if drafter is not None else "none")
+    sps_cache = None if config.reprofile else table_cache.default_dir()
     engine = Engine(target, drafter, slots=config.slots, max_len=config.max_len, block_size=config.block_size,
-                    verifier=config.verifier, mesh=mesh, policy=policy, sps_table=config.sps_table)
+                    verifier=config.verifier, mesh=mesh, policy=policy, sps_table=config.sps_table, sps_cache=sps_cache)
     return target, drafter_name, engine
 
 
@@ -290,8 +291,9 @@ def serve(config: ServeConfig) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    log.info("SERVING: model %s, drafter %s, policy %s, %d slots, context %d; warmup %.1f s, start-up %.1f s",
-             config.model, drafter_name, engine.policy, engine.slots, engine.max_len, warm, time.perf_counter() - t0)
+    log.info("SERVING: model %s, drafter %s, policy %s, %d slots, context %d; warmup %.1f s, start-up %.1f s%s",
+             config.model, drafter_name, engine.policy, engine.slots, engine.max_len, warm, time.perf_counter() - t0,
+             f"; cost table {engine.cost_table_source}" if engine.cost_table_source else "")
     while not stop.wait(1.0):
         pass
     log.info("draining: %d requests in flight", server.orchestrator.in_flight())

@@ -21,6 +21,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_opt
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "dspark-jax-tests-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Servers the tests start profile their cost tables afresh, as benchmarks do (the table cache's
+# own test passes its directory explicitly).
+os.environ.setdefault("DSPARK_SPS_CACHE", "0")
 
 
 # What a program that was not compiled before leaves: a backend compile, or with the persistent

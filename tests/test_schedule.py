@@ -1,6 +1,8 @@
 """The load-aware scheduler (dspark_jax.schedule) against plain-loop references, its direction, the
 early stop's losslessness, and the engine's policies."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -720,6 +722,50 @@ def test_profile_sps_cli_and_json_round_trip(tiny, tmp_path):
     loaded = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_table=str(out))
     assert loaded.cost_table.widths == [1, 2, 4] and loaded.sps_table.shape == (9,)
     assert [t.slots for t in loaded.cost_table.row_buckets] == [1]
+
+
+def test_a_profiled_table_is_cached_and_read_back_by_the_same_engine_only(tiny, tmp_path, monkeypatch):
+    from dspark_jax import Engine, table_cache
+
+    target, drafter, _ = tiny
+    calls = []
+    real = sched.profile_sps
+    monkeypatch.setattr(sched, "profile_sps", lambda *a, **k: calls.append(k.get("rows")) or real(*a, **k))
+    cache = str(tmp_path / "sps")
+    first = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_cache=cache)
+    first.warmup(rounds=(1,), execute=False)
+    assert sorted(calls) == [1, 2] and first.cost_table_source == "profiled"
+    files = os.listdir(cache)
+    assert files == [os.path.basename(table_cache.path_for(first, cache))]
+
+    again = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_cache=cache)
+    again.warmup(rounds=(1,), execute=False)
+    assert sorted(calls) == [1, 2], "a matching cached table must not be profiled again"
+    assert again.cost_table_source == f"cache {os.path.join(cache, files[0])}"
+    np.testing.assert_array_equal(again.sps_table, first.sps_table)
+    assert [t.table for t in again.cost_table.row_buckets] == [t.table for t in first.cost_table.row_buckets]
+
+    # Another engine shape, or another drafter shape, is another key: profiled, kept beside.
+    other = Engine(target, drafter, slots=2, max_len=128, block_size=2, policy="dspark", sps_cache=cache)
+    assert table_cache.fingerprint(other) != table_cache.fingerprint(first)
+    other.warmup(rounds=(1,), execute=False)
+    assert len(calls) == 4 and other.cost_table_source == "profiled" and len(os.listdir(cache)) == 2
+
+    # A file that is not a table for this engine is reported, ignored and overwritten.
+    with open(os.path.join(cache, files[0]), "w") as f:
+        f.write("{not json")
+    broken = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_cache=cache)
+    broken.warmup(rounds=(1,), execute=False)
+    assert len(calls) == 6 and broken.cost_table_source == "profiled"
+    assert table_cache.load(broken, cache)[0].table == broken.cost_table.table
+
+    # A table given by the caller wins; without a cache directory the engine profiles as before.
+    given = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_table=first.cost_table,
+                   sps_cache=cache)
+    given.warmup(rounds=(1,), execute=False)
+    assert len(calls) == 6 and given.cost_table_source == "given"
+    monkeypatch.setenv("DSPARK_SPS_CACHE", "0")
+    assert table_cache.default_dir() is None
 
 
 def test_user_errors_name_the_problem(tiny):
