@@ -56,7 +56,7 @@ def _source_digest() -> str:
 
 def _shapes(tree) -> list:
     """[(path, shape, dtype)] of a pytree's arrays."""
-    return [(jax.tree_util.keystr(path), tuple(np.shape(leaf)), str(getattr(leaf, "dtype", None) or np.result_type(leaf)))
+    return [(jax.tree_util.keystr(path), tuple(np.shape(leaf)), str(getattr(leaf, "dtype", type(leaf).__name__)))
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 

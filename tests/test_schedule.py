@@ -759,7 +759,7 @@ def test_a_profiled_table_is_cached_and_read_back_by_the_same_engine_only(tiny, 
     assert len(calls) == 6 and broken.cost_table_source == "profiled"
     assert table_cache.load(broken, cache)[0].table == broken.cost_table.table
 
-    # A table given by the caller wins; without a cache directory the engine profiles as before.
+    # A table given by the caller wins over the cache; DSPARK_SPS_CACHE=0 gives the server no directory.
     given = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_table=first.cost_table,
                    sps_cache=cache)
     given.warmup(rounds=(1,), execute=False)
