@@ -411,9 +411,9 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     if plain:
         draft = no_draft(b, s.config.vocab_size)
         z = jnp.zeros((b, g), jnp.float32)
+        depth = jnp.zeros((), jnp.int32)
     else:
-        draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, anchor_pos,
-                                  row_keys(state.seed_key, anchor_pos, KEY_DRAFT), rs, kv_len=s.kv_len)
+        draft, dstate, depth = draft_round(params, dparams, state, sp, caps, live, rs, s=s)
         if draft.proposed is not None:
             caps = jnp.minimum(caps, draft.proposed)
         z = draft.confidence_logits.astype(jnp.float32)  # [b, G] (zeros without a confidence head)
@@ -466,11 +466,14 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         committed=state.committed + committed_len.sum(dtype=jnp.int32),
         tried=state.tried + tried.sum(axis=0, dtype=jnp.int32),
         accepted_at=state.accepted_at + accepted.sum(axis=0, dtype=jnp.int32),
-        # A round without a draft learns nothing about the confidences.
+        # A round without a draft learns nothing about the confidences, a shallow draft nothing
+        # about the positions past its depth: those keep their last values.
         lagged_confidences=(state.lagged_confidences if plain
-                            else jnp.stack([conf, state.lagged_confidences[:, 0]], axis=1)),
+                            else jnp.stack([jnp.where(k < depth, conf, state.lagged_confidences[:, 0]),
+                                            state.lagged_confidences[:, 0]], axis=1)),
         gate_confidences=(state.gate_confidences if plain
-                          else sched.gate_average(state.gate_confidences, state.gate_rounds, calibrated, live)),
+                          else jnp.where(k < depth, sched.gate_average(state.gate_confidences, state.gate_rounds,
+                                                                       calibrated, live), state.gate_confidences)),
         gate_rounds=state.gate_rounds if plain else state.gate_rounds + live.astype(jnp.int32))
     # Every round ages the sums, a plain one included (sched.online_update).
     predicted, hits = sched.online_update(state.online_predicted, state.online_accepted, calibrated, tried, accepted)
@@ -481,6 +484,39 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
                      predicted_throughput=plan.predicted_throughput)
     pad = [(0, 0), (0, g + 1 - w)]  # a plain round's one column, to the G+1 of a drafted one
     return state, jnp.pad(emitted, pad), jnp.pad(keep, pad), trace, load
+
+
+def draft_depths(block_size: int) -> tuple[int, ...]:
+    """Compiled draft depths: the most drafts each verification width holds (verify_widths - 1)."""
+    return tuple(w - 1 for w in verify_widths(block_size) if w > 1) or (block_size,)
+
+
+def draft_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, caps: jax.Array,
+                live: jax.Array, rs: RowSampling, *, s: DecodeSettings):
+    """(DraftOutput, drafter state, depth [] int32) of a drafted round.
+
+    A drafter that can draft fewer than G tokens exactly (DRAFTS_AT_DEPTH) drafts the smallest
+    compiled depth (draft_depths) that holds sched.draft_depth, chosen on the device (lax.switch):
+    where few tokens can be verified, as at high load, a round does not pay for G. The depth reads
+    only earlier rounds, and the draft's `proposed` cuts every row's length to it.
+    """
+    mod, g = drafter_module(s), s.block_size
+    keys = row_keys(state.seed_key, state.cache.lengths, KEY_DRAFT)
+    depths = draft_depths(g)
+    if not getattr(mod, "DRAFTS_AT_DEPTH", False) or len(depths) == 1:
+        draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor,
+                                  state.cache.lengths, keys, rs, kv_len=s.kv_len)
+        return draft, dstate, jnp.asarray(g, jnp.int32)
+    recent = sched.corrected(state.gate_confidences, online_ratio(state))
+    need = sched.draft_depth(s.policy, recent, caps, sp, live)
+    index = jnp.searchsorted(jnp.asarray(depths, jnp.int32), need)
+
+    def at_depth(depth, dstate):  # the state is only read: a branch that returned it would copy it
+        return mod.draft(dparams, params, s.config, s.dconfig, dstate, state.anchor, state.cache.lengths, keys, rs,
+                         kv_len=s.kv_len, depth=depth)[0]
+
+    draft = jax.lax.switch(index, [functools.partial(at_depth, d) for d in depths], state.drafter)
+    return draft, state.drafter, jnp.asarray(depths, jnp.int32)[index]
 
 
 def gate_start(s: DecodeSettings) -> jax.Array:

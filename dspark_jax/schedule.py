@@ -70,6 +70,9 @@ DEFAULT_THRESHOLD = 0.5
 # engine from the drafter's measured acceptance (calibration), and a request's first drafted
 # round and a probe's replace the average.
 PROBE_EVERY = 16
+# A round drafts only as deep as it may verify (draft_depth): for the table policies, at most this
+# many times the level the gate's recent confidences make best.
+DEPTH_HEADROOM = 2
 MAX_PROBE_EVERY = 256
 PROBE_BUDGET = 0.01
 GATE_DECAY = 0.75
@@ -284,6 +287,24 @@ def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: Schedu
     best = jnp.max(_level_thetas(conf, params.sps_table, live))
     pays = best > base_tau(conf.shape[0], live) * params.plain_sps
     return (pays | probe_due) & (params.max_length > 0)
+
+
+def draft_depth(policy: str, recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams,
+                live: jax.Array) -> jax.Array:
+    """[] int32 in [1, G]: how many tokens a round needs drafted (the engine rounds it up to a
+    depth it compiles), decided before drafting from what earlier rounds showed, so the depth never
+    sees this round's tokens. Nobody verifies past the rows' caps [R] (or max_length); the table
+    policies also look no deeper than DEPTH_HEADROOM times the best level of the recent
+    confidences [R, G] (the gate's averages): a round's own confidences may go deeper than the
+    average, not arbitrarily deeper. A deep draft costs little more than a shallow one where the
+    drafter is memory-bound (one row), and G times as much where it is compute-bound (many rows),
+    which is where the level is low."""
+    caps = jnp.minimum(caps, params.max_length)
+    deepest = jnp.max(jnp.where(live, caps, 0))
+    if policy in TABLE_POLICIES:
+        level = best_level(cap_confidences(recent_confidences, caps), params.sps_table, live)
+        deepest = jnp.minimum(deepest, DEPTH_HEADROOM * level)
+    return jnp.clip(deepest, 1, recent_confidences.shape[-1]).astype(jnp.int32)
 
 
 def gate_average(average: jax.Array, rounds: jax.Array, confidences: jax.Array, live: jax.Array) -> jax.Array:

@@ -325,6 +325,31 @@ def test_sampled_draft_is_consistent():
             assert np.all((probs > 0).sum(-1) <= 5)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_shallow_draft_is_the_first_positions_of_the_whole_block(layers):
+    """draft(depth=D) equals the first D positions of the full draft (same keys: the same tokens,
+    probabilities and confidences), for a sampled and a greedy row; past D it proposes nothing."""
+    tcfg, dcfg, tp, dp, tokens, feats = _setup(dcfg=_dcfg(num_layers=layers), seed=3)
+    anchor_pos = jnp.array([7, 12], jnp.int32)
+    anchor = tokens[jnp.arange(2), anchor_pos]
+    state = _context(tcfg, dcfg, tp, dp, feats, jnp.arange(T)[None, :] < anchor_pos[:, None])
+    sampling = RowSampling(temperature=jnp.array([0.9, 0.0], jnp.float32), top_k=jnp.zeros(2, jnp.int32),
+                           top_p=jnp.ones(2, jnp.float32))
+    keys = jax.random.split(jax.random.PRNGKey(11), 2)
+    run = jax.jit(dflash.draft, static_argnums=(2, 3), static_argnames=("depth",))
+    full, _ = run(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling)
+    assert full.proposed is None
+    for depth in range(1, G):
+        part, _ = run(dp, tp, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling, depth=depth)
+        np.testing.assert_array_equal(part.tokens[:, :depth], full.tokens[:, :depth])
+        np.testing.assert_allclose(part.probs[:, :depth], full.probs[:, :depth], atol=1e-5)
+        np.testing.assert_allclose(part.confidence_logits[:, :depth], full.confidence_logits[:, :depth],
+                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(part.proposed, [depth, depth])
+        assert np.all(np.asarray(part.confidence_logits[:, depth:]) == dflash.NO_CONFIDENCE)
+        assert np.all(np.asarray(part.probs[:, depth:]) == 0.0)
+
+
 @pytest.mark.parametrize("tcfg", [TCFG, TCFG_BQ], ids=["llama", "qwen3"])
 def test_copy_target_layers_takes_the_last_layers(tcfg):
     """The drafter's layers become the target's last num_layers layers (stacked or per-layer target

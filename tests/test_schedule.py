@@ -203,6 +203,28 @@ def test_drafting_pays_weighs_the_drafter_cost():
     assert np.asarray(sched.level_schedule(conf, table)).tolist() == [2, 2]
 
 
+def test_draft_depth_follows_the_caps_and_the_recent_best_level():
+    """The depth a round drafts: never past the live rows' caps or max_length; under the table
+    policies at most DEPTH_HEADROOM times the level the recent confidences make best."""
+    g = 7
+    table = jnp.asarray([9, 9, 9, 8, 8] + [2] * 12, jnp.float32)  # two rows: level 1 best, level 2 loses
+    live = jnp.ones((2,), bool)
+    recent = jnp.full((2, g), 0.5, jnp.float32)
+
+    def depth(policy, caps=(7, 7), max_length=7, conf=recent, rows_live=live):
+        params = sched.ScheduleParams(table, jnp.float32(0.5), jnp.int32(max_length), jnp.float32(9.0))
+        return int(sched.draft_depth(policy, conf, jnp.asarray(caps, jnp.int32), params, rows_live))
+
+    assert int(sched.best_level(recent, table, live)) == 1
+    assert depth("dspark") == depth("dspark-lagged") == sched.DEPTH_HEADROOM * 1
+    assert depth("fixed") == depth("threshold") == 7
+    assert depth("fixed", caps=(3, 5)) == 5 and depth("fixed", max_length=4) == 4
+    assert depth("fixed", caps=(6, 2), rows_live=jnp.asarray([False, True])) == 2  # a done row's cap is 0
+    assert depth("dspark", caps=(1, 1)) == 1
+    assert depth("dspark", conf=jnp.zeros((2, g), jnp.float32)) == 1  # level 0 (a probe): the least depth
+    assert depth("fixed", max_length=0) == 1
+
+
 def test_probe_floor_bounds_what_probes_cost():
     # A drafted round that verifies nothing runs at SPS(R) = table[R]; against the plain rate its
     # extra is plain / SPS(R) - 1 plain rounds, spread over at least extra / PROBE_BUDGET rounds.
@@ -434,6 +456,22 @@ def _engine_rounds(engine, prompts, rounds=3, **step):
     state = engine.insert_many(state, [(i, p, SamplingParams(max_new_tokens=40)) for i, p in enumerate(prompts)])
     state, out = engine.step(state, rounds=rounds, **step)
     return state, out
+
+
+def test_a_round_drafts_only_as_deep_as_it_may_verify(tiny):
+    """Under "fixed" with max_length 1 the engine drafts at depth 1 (depths (1, 3) at G = 3):
+    positions 2-3 carry no confidence; with max_length 2 it drafts the whole block."""
+    from dspark_jax import Engine
+    from dspark_jax.drafters.dflash import NO_CONFIDENCE
+
+    target, drafter, _ = tiny
+    engine = Engine(target, drafter, slots=2, max_len=128, policy="fixed")
+    for max_length, deep in ((1, False), (2, True)):
+        _, out = _engine_rounds(engine, _prompts(2, seed=4), max_length=max_length)
+        z = np.concatenate(out.round_confidence_logits[:2])  # [rounds, 3]
+        assert len(z) and np.all(z[:, 0] > NO_CONFIDENCE)
+        assert np.all(z[:, 1:] > NO_CONFIDENCE) if deep else np.all(z[:, 1:] == NO_CONFIDENCE)
+        assert all(max(lengths) <= max_length for lengths in out.round_lengths[:2])
 
 
 def test_engine_lengths_follow_the_policy_and_table(tiny):

@@ -26,6 +26,10 @@ pytrees); the engine's step (`dspark_jax.decode`) only calls these:
         `kv_len` (static, optional) is a bound the caller guarantees on every anchor_pos: a
         drafter may read only context slots below it, as the target's attention does, so a short
         context does not pay for the whole cache.
+    A drafter module may also set DRAFTS_AT_DEPTH = True: its draft then takes `depth` (static,
+    1..G) and drafts exactly the first `depth` tokens of the whole block's draft, leaves the state
+    unchanged, and sets `proposed` to the depth (the engine drafts shallow where little can be
+    verified; decode.draft_round).
 """
 
 from __future__ import annotations

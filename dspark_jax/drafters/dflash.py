@@ -163,13 +163,32 @@ def _block_attention(q, ctx_k, ctx_v, ctx_visible, blk_k, blk_v):
     return out.reshape(b, a, G, nh * d)
 
 
-def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, anchor_tokens, block_pos):
-    """Drafter layers over blocks [E(anchor), MASK...] -> final-normed hidden [b, a, G, e].
+def _block_layer(lp, tcfg, h, ctx_k, ctx_v, ctx_visible, rope, queries: int):
+    """One drafter layer over blocks h [b, a, G, e] -> [b, a, queries, e]: keys and values come
+    from all G block positions, queries and everything after attention from the first `queries`."""
+    b, a, G, _ = h.shape
+    x = rms_norm(h, lp["attn_norm"], tcfg.rms_norm_eps).reshape(b, a * G, -1)
+    q, k, v = project_qkv(lp, tcfg, x, rope)
+    q = q.reshape(b, a, G, tcfg.num_heads, tcfg.head_dim)[:, :, :queries]
+    k = k.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
+    v = v.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
+    h = h[:, :, :queries] + linear(_block_attention(q, ctx_k, ctx_v, ctx_visible, k, v), lp["wo"])
+    return mlp_residual(lp, tcfg, h)
+
+
+def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, anchor_tokens, block_pos,
+                  depth: int | None = None):
+    """Drafter layers over blocks [E(anchor), MASK...] -> final-normed hidden [b, a, depth, e].
 
     ctx_k, ctx_v [layers, b, kv, s, d]; ctx_visible [b, a, s]; anchor_tokens [b, a];
-    block_pos [b, a, G] rotary positions anchor_pos + k.
+    block_pos [b, a, G] rotary positions anchor_pos + k. `depth` (static, default G): only the
+    first `depth` positions' hidden states are wanted. Every layer but the last still runs all G
+    positions (the last one's keys and values need them), the last one computes attention, its
+    output projection and MLP for those positions only: exactly the first `depth` of the full
+    block's hidden states, at about depth / G of the last layer's cost.
     """
     b, a, G = block_pos.shape
+    depth = G if depth is None else depth
     # Compute in the drafter's dtype (the frozen target may be stored in a narrower one).
     first = embed(target_params, anchor_tokens).astype(params["w_c"].dtype)  # [b, a, e]
     if dcfg.mask_token_id is None:
@@ -178,20 +197,19 @@ def _block_hidden(params, target_params, tcfg, dcfg, ctx_k, ctx_v, ctx_visible, 
         mask_vec = target_params["embed"][dcfg.mask_token_id]
     masks = jnp.broadcast_to(mask_vec.astype(first.dtype), (b, a, G - 1, first.shape[-1]))
     h = jnp.concatenate([first[:, :, None, :], masks], axis=2)  # [b, a, G, e]
-    flat_pos = block_pos.reshape(b, a * G)
-    rope = target_rope(tcfg, flat_pos)
+    rope = target_rope(tcfg, block_pos.reshape(b, a * G))
 
     def layer(h, xs):
         lp, ck, cv = xs
-        x = rms_norm(h, lp["attn_norm"], tcfg.rms_norm_eps).reshape(b, a * G, -1)
-        q, k, v = project_qkv(lp, tcfg, x, rope)
-        q = q.reshape(b, a, G, tcfg.num_heads, tcfg.head_dim)
-        k = k.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
-        v = v.reshape(b, a, G, tcfg.num_kv_heads, tcfg.head_dim)
-        h = h + linear(_block_attention(q, ck, cv, ctx_visible, k, v), lp["wo"])
-        return mlp_residual(lp, tcfg, h), None
+        return _block_layer(lp, tcfg, h, ck, cv, ctx_visible, rope, G), None
 
-    h, _ = jax.lax.scan(layer, h, (params["layers"], ctx_k, ctx_v))
+    layers = params["layers"]
+    if depth == G:
+        h, _ = jax.lax.scan(layer, h, (layers, ctx_k, ctx_v))
+    else:
+        h, _ = jax.lax.scan(layer, h, jax.tree.map(lambda x: x[:-1], (layers, ctx_k, ctx_v)))
+        h = _block_layer(jax.tree.map(lambda x: x[-1], layers), tcfg, h, ctx_k[-1], ctx_v[-1], ctx_visible, rope,
+                         depth)
     return rms_norm(h, params["final_norm"], tcfg.rms_norm_eps)
 
 
@@ -229,16 +247,17 @@ def extend(params, target_params, tcfg, dcfg, state: DFlashState, tokens, featur
     return DFlashState(k=new_k, v=new_v)
 
 
-def _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, kv_len=None):
-    """Backbone hidden [b, G, e] of the block after `anchor` [b] at `anchor_pos` [b], attending to
-    context slots [0, kv_len) only (static; every anchor_pos must be below it)."""
+def _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, kv_len=None, depth=None):
+    """Backbone hidden [b, depth, e] (depth: static, default G) of the block after `anchor` [b] at
+    `anchor_pos` [b], attending to context slots [0, kv_len) only (static; every anchor_pos must
+    be below it)."""
     G = dcfg.block_size
     span = state.k.shape[3] if kv_len is None else min(int(kv_len), state.k.shape[3])
     slots = jnp.arange(span, dtype=jnp.int32)
     ctx_visible = (slots[None, :] < anchor_pos[:, None])[:, None, :]  # [b, 1, s]
     block_pos = (anchor_pos[:, None] + jnp.arange(G, dtype=jnp.int32))[:, None, :]  # [b, 1, G]
     h = _block_hidden(params, target_params, tcfg, dcfg, state.k[..., :span, :], state.v[..., :span, :], ctx_visible,
-                      anchor[:, None], block_pos)
+                      anchor[:, None], block_pos, depth)
     return h[:, 0]
 
 
@@ -248,18 +267,32 @@ def draft_backbone(params, target_params, tcfg, dcfg, state, anchor, anchor_pos)
     return h, vocab.to_full_vocab(params, tcfg.vocab_size, vocab.draft_logits(params, target_params, h))
 
 
+# Drafts of fewer than G tokens are exact (the first positions of the whole block's draft) and
+# cheaper, so `decode` may ask for a depth; the state is only read, so drafting at one of several
+# depths (a lax.switch) copies nothing.
+DRAFTS_AT_DEPTH = True
+NO_CONFIDENCE = -1e9  # confidence logit of positions past the depth: calibrated survival 0
+
+
 def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sampling: RowSampling,
-          forced_tokens=None, kv_len=None):
+          forced_tokens=None, kv_len=None, depth=None):
     """Draft G tokens after the anchor; see the interface in drafters/config.py.
 
     The sequential head runs left to right in a lax.scan, each position conditioned on the token
     drafted before it. `forced_tokens` [b, G] (testing only) replaces the drafted tokens, both as
     output and as the head's previous tokens, so the scan can be compared with teacher forcing.
+    `depth` (static, 1..G, default G): only the first `depth` tokens are drafted, exactly as the
+    whole block drafts them; the outputs keep G columns, past the depth tokens 0, zero
+    probabilities and confidence logits NO_CONFIDENCE, and `proposed` says `depth` (set
+    whenever a depth is given, so drafts at different depths have one output structure).
     """
     G = dcfg.block_size
+    asked, depth = depth, G if depth is None else int(depth)
+    if not 1 <= depth <= G:
+        raise ValueError(f"depth must be in [1, {G}], got {depth}")
     b = anchor.shape[0]
-    h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, kv_len)  # [b, G, e]
-    base = vocab.draft_logits(params, target_params, h)  # [b, G, N]
+    h = _draft_hidden(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, kv_len, depth)  # [b, D, e]
+    base = vocab.draft_logits(params, target_params, h)  # [b, D, N]
     forced = jnp.zeros((b, G), jnp.int32) if forced_tokens is None else forced_tokens.astype(jnp.int32)
 
     def step(carry, xs):
@@ -274,10 +307,14 @@ def draft(params, target_params, tcfg, dcfg, state, anchor, anchor_pos, keys, sa
             token = forced_k
         return (token, rnn_state), (token, probs, conf)
 
-    xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(h, 1, 0), jnp.arange(G), jnp.moveaxis(forced, 1, 0))
+    xs = (jnp.moveaxis(base, 1, 0), jnp.moveaxis(h, 1, 0), jnp.arange(depth), jnp.moveaxis(forced[:, :depth], 1, 0))
     _, (tokens, probs, conf) = jax.lax.scan(step, (anchor.astype(jnp.int32), _rnn_zeros(dcfg, b)), xs)
-    out = DraftOutput(tokens=jnp.moveaxis(tokens, 0, 1), probs=jnp.moveaxis(probs, 0, 1),  # [b, G, N]
-                      confidence_logits=jnp.moveaxis(conf, 0, 1), support=vocab.support(params))
+    rest = [(0, 0), (0, G - depth)]
+    out = DraftOutput(tokens=jnp.pad(jnp.moveaxis(tokens, 0, 1), rest),  # [b, G]
+                      probs=jnp.pad(jnp.moveaxis(probs, 0, 1), rest + [(0, 0)]),  # [b, G, N]
+                      confidence_logits=jnp.pad(jnp.moveaxis(conf, 0, 1), rest, constant_values=NO_CONFIDENCE),
+                      support=vocab.support(params),
+                      proposed=None if asked is None else jnp.full((b,), depth, jnp.int32))
     return out, state
 
 
