@@ -71,8 +71,12 @@ DEFAULT_THRESHOLD = 0.5
 # round and a probe's replace the average.
 PROBE_EVERY = 16
 # A round drafts only as deep as it may verify (draft_depth): for the table policies, at most this
-# many times the level the gate's recent confidences make best.
-DEPTH_HEADROOM = 2
+# many times the level the gate's recent confidences make best. The cost table prices width w
+# with a draft of depth w - 1 (profile_sps runs "fixed" with max_length w - 1), so a deeper draft
+# costs more than the gate assumed: with 2, dspark / none at batch 4 on this CPU was 0.912 (paired
+# median of 4), with 1 0.952, and 0.980 before drafts had a depth (README, 2026-12-06; all within
+# the runs' spread of about 0.9-1.05).
+DEPTH_HEADROOM = 1
 MAX_PROBE_EVERY = 256
 PROBE_BUDGET = 0.01
 GATE_DECAY = 0.75
@@ -297,8 +301,8 @@ def draft_depth(policy: str, recent_confidences: jax.Array, caps: jax.Array, par
     policies also look no deeper than DEPTH_HEADROOM times the best level of the recent
     confidences [R, G] (the gate's averages): a round's own confidences may go deeper than the
     average, not arbitrarily deeper. A deep draft costs little more than a shallow one where the
-    drafter is memory-bound (one row), and G times as much where it is compute-bound (many rows),
-    which is where the level is low."""
+    drafter is memory-bound (one row), and up to G times as much where it is compute-bound (many
+    rows), which is where the level is low."""
     caps = jnp.minimum(caps, params.max_length)
     deepest = jnp.max(jnp.where(live, caps, 0))
     if policy in TABLE_POLICIES:
