@@ -37,9 +37,15 @@ def confidence_probs(z, temperatures, shifts=None):
     return jax.nn.sigmoid(z / temperatures + (0.0 if shifts is None else shifts))
 
 
+def sigmoid_np(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)) without overflow for very negative x (a position past a shallow draft's
+    depth has logit drafters.dflash.NO_CONFIDENCE)."""
+    return np.exp(-np.logaddexp(0.0, -x))
+
+
 def survival_probs_np(z: np.ndarray, temperatures: np.ndarray, shifts: np.ndarray | None = None) -> np.ndarray:
     shifts = np.zeros_like(np.asarray(temperatures, np.float64)) if shifts is None else shifts
-    return np.cumprod(1.0 / (1.0 + np.exp(-(z / temperatures + shifts))), axis=-1)
+    return np.cumprod(sigmoid_np(z / temperatures + shifts), axis=-1)
 
 
 def ece(probs: np.ndarray, labels: np.ndarray, bins: int = ECE_BINS) -> float:
@@ -110,9 +116,9 @@ def fit_sts(z: np.ndarray, survival: np.ndarray, grid: np.ndarray = TEMPERATURE_
         elif shift:
             temps[k], shifts[k] = _fit_log_loss(prefix, z[:, k], survival[:, k], grid, shift_grid)
         else:
-            scores = [ece(prefix / (1.0 + np.exp(-z[:, k] / t)), survival[:, k]) for t in grid]
+            scores = [ece(prefix * sigmoid_np(z[:, k] / t), survival[:, k]) for t in grid]
             temps[k] = grid[int(np.argmin(scores))]
-        prefix = prefix / (1.0 + np.exp(-(z[:, k] / temps[k] + shifts[k])))
+        prefix = prefix * sigmoid_np(z[:, k] / temps[k] + shifts[k])
     return temps, shifts
 
 
@@ -121,7 +127,7 @@ def _fit_log_loss(prefix: np.ndarray, z: np.ndarray, s: np.ndarray, grid: np.nda
     """argmin over the grid of the mean log loss of prefix * sigmoid(z / T + b) against s [n]."""
     best, best_loss = (1.0, 0.0), np.inf
     for t in grid:
-        c = prefix[None, :] / (1.0 + np.exp(-(z[None, :] / t + shift_grid[:, None])))  # [shifts, n]
+        c = prefix[None, :] * sigmoid_np(z[None, :] / t + shift_grid[:, None])  # [shifts, n]
         c = np.clip(c, 1e-7, 1 - 1e-7)
         loss = -(s * np.log(c) + (1 - s) * np.log1p(-c)).mean(axis=1)  # [shifts]
         i = int(np.argmin(loss))
