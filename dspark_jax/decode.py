@@ -5,7 +5,8 @@ Every function here is pure, (params, state, ...) -> state; `dspark_jax.engine.E
 them ahead and donates the state. A round, per slot r at its own position P_r (all slots at once):
 
   draft   the drafter proposes d_1..d_G after the anchor a (the last sampled token, not yet fed
-          to the target); without a drafter G = 0 and a round is one plain decoding step;
+          to the target), or only d_1..d_D where no row may verify more (draft_round); without a
+          drafter G = 0 and a round is one plain decoding step;
   length  l_r in [0, G] tokens go to verification, chosen on the device by the engine's policy
           (dspark_jax.schedule: DSpark's load-aware prefix scheduler, its lagged variant, a
           threshold, or the whole block) from the calibrated confidences, cut by the budget;
@@ -507,8 +508,7 @@ def draft_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParam
         draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor,
                                   state.cache.lengths, keys, rs, kv_len=s.kv_len)
         return draft, dstate, jnp.asarray(g, jnp.int32)
-    recent = sched.corrected(state.gate_confidences, online_ratio(state))
-    need = sched.draft_depth(s.policy, recent, caps, sp, live)
+    need = sched.draft_depth(s.policy, recent_confidences(state), caps, sp, live)
     index = jnp.searchsorted(jnp.asarray(depths, jnp.int32), need)
 
     def at_depth(depth, dstate):  # the state is only read: a branch that returned it would copy it
@@ -527,6 +527,11 @@ def gate_start(s: DecodeSettings) -> jax.Array:
 def online_ratio(state: SlotState) -> jax.Array:
     """[G] the serving-time correction of the calibration (sched.online_ratio)."""
     return sched.online_ratio(state.online_predicted, state.online_accepted)
+
+
+def recent_confidences(state: SlotState) -> jax.Array:
+    """[slots, G] what the gate and the draft depth read: the gate's averages, corrected online."""
+    return sched.corrected(state.gate_confidences, online_ratio(state))
 
 
 def confidence_calibration(s: DecodeSettings, g: int) -> tuple[jax.Array, jax.Array]:
@@ -588,7 +593,7 @@ def gate_drafts(state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Arr
     if measured_only:
         live = live & (state.gate_rounds > 0)
         caps = jnp.where(live, caps, 0)
-    return sched.drafting_pays(sched.corrected(state.gate_confidences, online_ratio(state)), caps, sp, live, due)
+    return sched.drafting_pays(recent_confidences(state), caps, sp, live, due)
 
 
 def gate_at_start(state: SlotState, sp: sched.ScheduleParams, *, rounds: int, rows: int, s: DecodeSettings):
