@@ -292,6 +292,12 @@ def test_fixed_row_batches_give_the_same_features_and_train_shards_limits_the_pa
     done = [os.path.isfile(features_lib.feature_path(copy, (0, 1), "train", p))
             for p in data_lib.shard_paths(copy, "train")]
     assert done[0] and not any(done[1:])
+    # --first-shard S --train-shards 1: shard S alone (the shards a fine-tune reads).
+    features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), splits=("train",), first_shard=1,
+                                                 train_shards=1))
+    done = [os.path.isfile(features_lib.feature_path(copy, (0, 1), "train", p))
+            for p in data_lib.shard_paths(copy, "train")]
+    assert done[:2] == [True, True] and not any(done[2:])
     with pytest.raises(SystemExit, match="train-shards"):
         features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), train_shards=0))
 
@@ -326,6 +332,40 @@ def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
     for bad in (0, len(shards) + 1):
         with pytest.raises(ValueError, match="max_shards"):
             SequenceData(tiny_train_data, (0, 1), "train", 64, max_shards=bad)
+    rest = SequenceData(tiny_train_data, (0, 1), "train", 64, first_shard=1)
+    assert len(rest) == len(whole) - len(first)
+    for a, b in zip(rest.rows, whole.rows[len(first):]):
+        np.testing.assert_array_equal(a[0], b[0])
+    with pytest.raises(ValueError, match="first_shard"):
+        SequenceData(tiny_train_data, (0, 1), "train", 64, first_shard=len(shards))
     base = _cfg(tiny_train_data, "unused")
     assert fit._config_key(base) != fit._config_key(dataclasses.replace(base, train_shards=1))
     assert "train_shards" not in fit._config_key(base)  # runs saved before the field still resume
+
+
+def test_fine_tune_trains_only_the_named_groups_from_a_drafter(tiny_train_data, tmp_path, dspark_run):
+    """--init-from D --train-only confidence: starts from D's params (its config and vocabulary,
+    whatever the data's), changes the confidence head alone, and exports without D's calibration
+    (the temperatures were fitted to the old head). Unknown groups and a kind mismatch are refused
+    by name."""
+    from dspark_jax.drafters import load_drafter
+
+    summary, _ = dspark_run
+    start = _exported(summary["drafter"])
+    # A config that disagrees with the init drafter everywhere the init decides.
+    cfg = _cfg(tiny_train_data, tmp_path / "tune", init_from=summary["drafter"], train_only=("confidence",),
+               first_shard=1, head_rank=4, draft_vocab_size=32, eval_every=0)
+    tuned = fit.run(cfg)
+    after = _exported(tuned["drafter"])
+    assert after.keys() == start.keys()
+    changed = {k for k in start if not np.array_equal(start[k], after[k])}
+    assert changed and all(k.startswith("['confidence']") for k in changed)
+    assert load_drafter(tuned["drafter"]).calibration is None
+    rows = fit.read_log(os.path.join(tmp_path / "tune", "log.jsonl"))
+    assert rows[-1]["bce"] < rows[0]["bce"]
+    assert fit._config_key(cfg) != fit._config_key(dataclasses.replace(cfg, train_only=()))
+
+    with pytest.raises(SystemExit, match="--train-only heads: not a trainable parameter group"):
+        fit.run(dataclasses.replace(cfg, out=str(tmp_path / "bad"), train_only=("heads",)))
+    with pytest.raises(SystemExit, match="is a dspark drafter, not dflash"):
+        fit.run(dataclasses.replace(cfg, out=str(tmp_path / "bad2"), drafter="dflash"))

@@ -53,7 +53,10 @@ class FeaturesConfig:
     splits: tuple[str, ...] = ("train", "validation")
     """Splits to compute (training reads only train; calibration and evaluation need none)."""
     train_shards: int | None = None
-    """Only the first K shards of the train split (what `train.fit --train-shards K` reads)."""
+    """Only K shards of the train split, from --first-shard on (what `train.fit --train-shards K` reads)."""
+    first_shard: int = 0
+    """Skip the train split's shards before this one (what `train.fit --first-shard` reads: a
+    fine-tune on conversations the first run never saw)."""
     parts: int = 1
     """Split the shards still to do among this many processes (run one per --part); each writes
     whole shards, so parts never collide. On an accelerator the pass is host-bound (saving and
@@ -195,12 +198,18 @@ def run(cfg: FeaturesConfig) -> dict:
         raise SystemExit(f"--layers must be increasing ids in [-1, {target.config.num_layers}), got {cfg.layers}")
     if cfg.train_shards is not None and cfg.train_shards < 1:
         raise SystemExit(f"--train-shards must be at least 1, got {cfg.train_shards}")
+    if cfg.first_shard < 0:
+        raise SystemExit(f"--first-shard must be at least 0, got {cfg.first_shard}")
     if cfg.parts < 1 or not 0 <= cfg.part < cfg.parts:
         raise SystemExit(f"--part must be in [0, --parts) with --parts >= 1, got part {cfg.part} of {cfg.parts}")
 
     def shards(split: str) -> list[str]:
         paths = data_lib.shard_paths(cfg.data, split)
-        return paths[:cfg.train_shards] if split == "train" and cfg.train_shards is not None else paths
+        if split != "train":
+            return paths
+        if cfg.first_shard >= len(paths):
+            raise SystemExit(f"--first-shard {cfg.first_shard}: {cfg.data}/train has {len(paths)} shards")
+        return paths[cfg.first_shard:][:cfg.train_shards]
 
     todo = [(split, shard) for split in cfg.splits for shard in shards(split)
             if not shard_done(cfg.data, cfg.layers, split, shard)][cfg.part::cfg.parts]

@@ -51,7 +51,10 @@ class FitConfig:
     batch_size: int = 8
     """Sequences per step (global, over every device)."""
     train_shards: int | None = None
-    """Train on the first this many shards of the train split only (data-scaling runs); default all."""
+    """Train on this many shards of the train split only, from --first-shard on (data-scaling runs); default all."""
+    first_shard: int = 0
+    """Skip the train split's shards before this one (a fine-tune on conversations the --init-from
+    drafter never saw; their features must exist: train.features --first-shard)."""
     anchors: int = 32
     """Blocks per sequence (DSpark / DFlash), at random supervised positions; for EAGLE-3 the rows
     whose training-time-test chain is unrolled (row i drafts from anchor i+1: the same terms)."""
@@ -79,6 +82,12 @@ class FitConfig:
     init_layers: str = "random"
     """random | target: DSpark / DFlash layers start as copies of the target's last layers
     (trained worse than random on smollm2-135m: train/results/2026-12-02-init-target)."""
+    init_from: str | None = None
+    """Start from this drafter (checkpoint folder or shipped name) instead of a random init: its
+    config replaces the drafter fields above and its draft vocabulary the data's."""
+    train_only: tuple[str, ...] = ()
+    """Train only these top-level parameter groups (e.g. `confidence`); the others stay frozen and
+    out of the optimizer state. Empty: train everything."""
     stop_after: int | None = None
     """Run at most this many steps in this invocation (resume later with the same command)."""
     export_dtype: str = "bfloat16"
@@ -133,6 +142,35 @@ def check_config(cfg: FitConfig) -> None:
                          "so no target layer has its shape)")
     if not cfg.lr > 0 or cfg.temperature <= 0:
         raise SystemExit("--lr and --temperature must be > 0")
+    if cfg.first_shard < 0:
+        raise SystemExit(f"--first-shard must be >= 0, got {cfg.first_shard}")
+    if cfg.init_from is not None and cfg.init_layers != "random":
+        raise SystemExit("--init-from and --init-layers target both say where the layers start; give one")
+
+
+def load_init(cfg: FitConfig, tcfg):
+    """The --init-from drafter (params in float32 for training), or None."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.drafters import DrafterMismatchError, load_drafter
+
+    if cfg.init_from is None:
+        return None
+    try:
+        init = load_drafter(cfg.init_from)
+        init.check_target(tcfg)
+    except (FileNotFoundError, DrafterMismatchError) as err:
+        raise SystemExit(f"--init-from: {err}") from None
+    if init.kind != cfg.drafter:
+        raise SystemExit(f"--init-from {cfg.init_from} is a {init.kind} drafter, not {cfg.drafter}")
+    missing = [l for l in init.config.target_layer_ids if l not in cfg.feature_layers]
+    if missing:
+        raise SystemExit(f"--init-from {cfg.init_from} reads target layers {missing}, not among --feature-layers "
+                         f"{list(cfg.feature_layers)}")
+    init.params = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+                               init.params)
+    return init
 
 
 def drafter_config(cfg: FitConfig, tcfg):
@@ -266,10 +304,15 @@ def make_optimizer(cfg: FitConfig):
 
 
 # ---------------------------------------------------------------------------------- the run
-def split_params(params: dict) -> tuple[dict, dict]:
+def split_params(params: dict, train_only: Sequence[str] = ()) -> tuple[dict, dict]:
     """(trainable, frozen): the draft-vocabulary table and other integer arrays stay out of the
-    optimizer state."""
-    frozen = {k: v for k, v in params.items() if k == "draft_vocab"}
+    optimizer state, and so does every group not in `train_only` when it is given."""
+    unknown = sorted(set(train_only) - set(params) - {"draft_vocab"})
+    if unknown or "draft_vocab" in train_only:
+        groups = sorted(k for k in params if k != "draft_vocab")
+        raise SystemExit(f"--train-only {' '.join(unknown or ['draft_vocab'])}: not a trainable parameter group "
+                         f"(this drafter has {', '.join(groups)})")
+    frozen = {k: v for k, v in params.items() if k == "draft_vocab" or (train_only and k not in train_only)}
     return {k: v for k, v in params.items() if k not in frozen}, frozen
 
 
@@ -288,9 +331,10 @@ class Training:
     dcfg: object
 
 
-def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
-    """Initialise the drafter (draft vocabulary from the data) and its optimizer on `mesh` by the
-    train rules, and jit the step: step_fn(state, frozen, target_params, batch) -> (state, metrics)."""
+def build(cfg: FitConfig, target, mesh, draft_vocab, init=None) -> Training:
+    """Initialise the drafter (draft vocabulary from the data; or `init`, a loaded drafter, whose
+    params and vocabulary are kept) and its optimizer on `mesh` by the train rules, and jit the
+    step: step_fn(state, frozen, target_params, batch) -> (state, metrics)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -301,16 +345,19 @@ def build(cfg: FitConfig, target, mesh, draft_vocab) -> Training:
 
     rules = sharding.TRAIN_RULES
     tcfg = target.config
-    dcfg = drafter_config(cfg, tcfg)
+    dcfg = drafter_config(cfg, tcfg) if init is None else init.config
     feature_pick = tuple(cfg.feature_layers.index(l) for l in dcfg.target_layer_ids)
     module = drafter_module(cfg.drafter)
-    params = module.init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
-    if cfg.init_layers == "target":
-        params = module.copy_target_layers(params, target.params, dcfg)
-    if draft_vocab is not None:
-        params["draft_vocab"] = jnp.asarray(draft_vocab, jnp.int32)
+    if init is not None:
+        params = dict(init.params)
+    else:
+        params = module.init_params(jax.random.PRNGKey(cfg.seed), tcfg, dcfg)
+        if cfg.init_layers == "target":
+            params = module.copy_target_layers(params, target.params, dcfg)
+        if draft_vocab is not None:
+            params["draft_vocab"] = jnp.asarray(draft_vocab, jnp.int32)
     params = sharding.shard_tree(params, sharding.drafter_param_axes(params, dcfg, tcfg), mesh, rules)
-    trainable, frozen = split_params(params)
+    trainable, frozen = split_params(params, cfg.train_only)
     target_params = sharding.shard_tree(target.params, sharding.target_param_axes(target.params, tcfg), mesh, rules)
     optimizer, schedule = make_optimizer(cfg)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -406,16 +453,17 @@ def run(cfg: FitConfig) -> dict:
     mesh = sharding.make_mesh(**parse_mesh(cfg.mesh))
     target = data_lib.data_target(cfg.data, cfg.model)
     tcfg = target.config
-    dcfg = drafter_config(cfg, tcfg)
-    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards)
+    init = load_init(cfg, tcfg)
+    dcfg = drafter_config(cfg, tcfg) if init is None else init.config
+    train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards, cfg.first_shard)
     devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % devices_on_batch:
         raise SystemExit(f"--batch-size {cfg.batch_size} must divide evenly over data x fsdp = {devices_on_batch}")
 
     draft_vocab = None
-    if cfg.draft_vocab_size is not None:
+    if cfg.draft_vocab_size is not None and init is None:
         draft_vocab = data_lib.load_draft_vocab(cfg.data, cfg.draft_vocab_size)
-    t = build(cfg, target, mesh, draft_vocab)
+    t = build(cfg, target, mesh, draft_vocab, init)
     val_batches = []
     if cfg.eval_every:
         val_data = SequenceData(cfg.data, cfg.feature_layers, "validation", cfg.seq_len)
@@ -501,8 +549,10 @@ def _config_key(cfg: FitConfig) -> dict:
             "target_layer_ids", "block_size", "seq_len", "batch_size", "anchors", "eagle_steps", "steps", "lr",
             "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "temperature", "seed")
     key = {k: getattr(cfg, k) for k in keys}
-    if cfg.train_shards is not None:  # only when set, so runs saved before the field existed still resume
-        key["train_shards"] = cfg.train_shards
+    # Only when set, so runs saved before these fields existed still resume.
+    for name, unset in (("train_shards", None), ("first_shard", 0), ("init_from", None), ("train_only", ())):
+        if getattr(cfg, name) != unset:
+            key[name] = getattr(cfg, name)
     return json.loads(json.dumps(key))
 
 

@@ -28,9 +28,10 @@ class Batch:
 class SequenceData:
     """One split's sequences with their cached features, cropped to `seq_len` tokens."""
 
-    def __init__(self, data_dir: str, layers: Sequence[int], split: str, seq_len: int, max_shards: int | None = None):
-        """`max_shards`: only the split's first that many shards (data-scaling runs; their
-        features are all that must exist)."""
+    def __init__(self, data_dir: str, layers: Sequence[int], split: str, seq_len: int, max_shards: int | None = None,
+                 first_shard: int = 0):
+        """`max_shards`: only that many of the split's shards, from `first_shard` on (data-scaling
+        runs, fine-tunes on unseen shards; their features are all that must exist)."""
         self.seq_len = seq_len
         self.layers = tuple(layers)
         # (tokens, prompt_len, feature bits [T, m+1, e], teacher log-normaliser [T])
@@ -38,10 +39,14 @@ class SequenceData:
         shards = data_lib.shard_paths(data_dir, split)
         if not shards:
             raise FileNotFoundError(f"{data_dir}/{split}: no data shards (python -m train.data --out {data_dir})")
+        if not 0 <= first_shard < len(shards):
+            raise ValueError(f"first_shard must be in [0, {len(shards)}) ({data_dir}/{split} has {len(shards)} "
+                             f"shards), got {first_shard}")
+        shards = shards[first_shard:]
         if max_shards is not None:
             if not 1 <= max_shards <= len(shards):
                 raise ValueError(f"max_shards must be in [1, {len(shards)}] ({data_dir}/{split} has "
-                                 f"{len(shards)} shards), got {max_shards}")
+                                 f"{len(shards)} shards from shard {first_shard}), got {max_shards}")
             shards = shards[:max_shards]
         for shard in shards:
             path = features_lib.feature_path(data_dir, layers, split, shard)
