@@ -354,14 +354,19 @@ def test_fine_tune_trains_only_the_named_groups_from_a_drafter(tiny_train_data, 
     start = _exported(summary["drafter"])
     # A config that disagrees with the init drafter everywhere the init decides.
     cfg = _cfg(tiny_train_data, tmp_path / "tune", init_from=summary["drafter"], train_only=("confidence",),
-               first_shard=1, head_rank=4, draft_vocab_size=32, eval_every=0)
+               first_shard=1, head_rank=4, draft_vocab_size=32, eval_every=2)
     tuned = fit.run(cfg)
+    with open(tmp_path / "tune" / "init_validation.json") as f:
+        init_val = json.load(f)
+    rows = fit.read_log(os.path.join(tmp_path / "tune", "log.jsonl"))
+    # Frozen backbone: the validation drafts, hence their agreement, are the start's.
+    assert rows[-1]["val_accept_top1_per_pos"] == pytest.approx(init_val["val_accept_top1_per_pos"], abs=1e-6)
+    assert rows[-1]["val_bce"] != init_val["val_bce"]
     after = _exported(tuned["drafter"])
     assert after.keys() == start.keys()
     changed = {k for k in start if not np.array_equal(start[k], after[k])}
     assert changed and all(k.startswith("['confidence']") for k in changed)
     assert load_drafter(tuned["drafter"]).calibration is None
-    rows = fit.read_log(os.path.join(tmp_path / "tune", "log.jsonl"))
     assert rows[-1]["bce"] < rows[0]["bce"]
     assert fit._config_key(cfg) != fit._config_key(dataclasses.replace(cfg, train_only=()))
 

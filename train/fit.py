@@ -501,6 +501,11 @@ def run(cfg: FitConfig) -> dict:
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                      force=True)
 
+    if init is not None and cfg.eval_every and start == 0:
+        # The validation terms of the drafter a fine-tune starts from: the log's `val_*` rows
+        # say what the fine-tune changed.
+        with open(os.path.join(cfg.out, "init_validation.json"), "w") as f:
+            json.dump({"init_from": cfg.init_from, **validate(state["params"])}, f, indent=1)
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     log_path = os.path.join(cfg.out, "log.jsonl")
     tokens_per_step = cfg.batch_size * cfg.seq_len
