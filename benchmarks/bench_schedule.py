@@ -8,7 +8,9 @@ speed (a request's tokens over its own latency, mean over requests), each policy
 "none" paired repeat by repeat (median and range), the mean draft tokens verified per request
 per round and tau; "threshold" is the best of a small theta sweep.
 The dspark policies share one cost table per batch size, profiled on this machine (or loaded
-with --sps-dir). Writes results.json, results.md and a plot of throughput against per-request
+with --sps-dir). Several --drafter values run the drafting policies once per drafter, interleaved
+with the rest (the first drafter's table serves drafters of the same architecture; a drafter of
+another shape is refused): two versions of one drafter compared side by side. Writes results.json, results.md and a plot of throughput against per-request
 speed (one curve per policy) to --out.
 
     .venv/bin/python benchmarks/bench_schedule.py [--drafter smollm2-135m-dspark] [--batches 1 4 8 16 32]
@@ -66,7 +68,7 @@ def run_batch(engine, prompts, new_tokens: int, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--drafter", default="smollm2-135m-dspark")
+    parser.add_argument("--drafter", nargs="+", default=["smollm2-135m-dspark"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.5, 0.7])
@@ -81,50 +83,56 @@ def main() -> None:
     from dspark_jax.prompts import bucket
 
     target = load_target(args.model)
-    drafter = load_drafter(args.drafter, target)
+    drafters = {name: load_drafter(name, target) for name in args.drafter}
+    first = drafters[args.drafter[0]]
+    for name, d in drafters.items():
+        if d.config != first.config:
+            parser.error(f"--drafter {name}: another architecture than {args.drafter[0]} (one cost table serves all)")
     os.makedirs(args.out, exist_ok=True)
-    g = drafter.config.block_size
+    g = first.config.block_size
     results = []
     for batch in args.batches:
         prompts = prompt_ids(target.tokenizer, batch)
         max_len = bucket(max(len(p) for p in prompts) + args.new_tokens + g + 1, minimum=128)
-        configs = []
+        configs = []  # (policy, theta, drafter name, engine)
         for policy in args.policies:
-            for theta in (args.thresholds if policy == "threshold" else [None]):
-                extra = {} if theta is None else {"threshold": theta}
-                configs.append((policy, theta, Engine(target, drafter, slots=batch, max_len=max_len, policy=policy,
-                                                      **extra)))
+            for name in (args.drafter[:1] if policy == "none" else args.drafter):
+                for theta in (args.thresholds if policy == "threshold" else [None]):
+                    extra = {} if theta is None else {"threshold": theta}
+                    configs.append((policy, theta, name, Engine(target, drafters[name], slots=batch, max_len=max_len,
+                                                                policy=policy, **extra)))
         table = None
         sps_path = os.path.join(args.sps_dir or args.out, f"sps-b{batch}.json")
         if args.sps_dir:
             from dspark_jax.schedule import CostTable
 
             table = CostTable.load(sps_path)
-        for policy, _, engine in configs:
+        for policy, _, _, engine in configs:
             if table is None and policy.startswith("dspark"):
                 table = engine.profile()  # every slot live: each compiled width drafting, and a plain round
-                table.model, table.drafter = args.model, args.drafter
+                table.model, table.drafter = args.model, args.drafter[0]
                 table.save(sps_path)
                 print(f"batch {batch:3d}  cost table: no draft {table.plain_steps_per_second:.2f} rounds/s, " + ", ".join(
                     f"width {w}: {x:.2f}" for w, x in zip(table.widths, table.steps_per_second)), flush=True)
             if table is not None and policy.startswith("dspark"):
                 engine.sps_table = table
             run_batch(engine, prompts, args.new_tokens, args.rounds)  # untimed: compiles what the runs use
-        runs = {(policy, theta): [] for policy, theta, _ in configs}
+        runs = {(policy, theta, name): [] for policy, theta, name, _ in configs}
         for repeat in range(args.repeats):
             # The order alternates, so no policy always runs right after the same neighbour.
-            for policy, theta, engine in (configs if repeat % 2 == 0 else configs[::-1]):
-                runs[(policy, theta)].append(run_batch(engine, prompts, args.new_tokens, args.rounds))
-        base = runs.get(("none", None))
-        for (policy, theta), reps in runs.items():
+            for policy, theta, name, engine in (configs if repeat % 2 == 0 else configs[::-1]):
+                runs[(policy, theta, name)].append(run_batch(engine, prompts, args.new_tokens, args.rounds))
+        base = runs.get(("none", None, args.drafter[0]))
+        for (policy, theta, drafter_name), reps in runs.items():
             row = {"batch": batch, "policy": policy, "threshold": theta,
+                   "drafter": None if policy == "none" else drafter_name,
                    **{k: statistics.mean(r[k] for r in reps) for k in reps[0]},
                    "throughput_runs": [r["throughput"] for r in reps],
                    # Each repeat's ratio to the "none" run beside it: machine drift cancels in pairs.
                    "vs_none_runs": [r["throughput"] / b["throughput"] for r, b in zip(reps, base)] if base else []}
             results.append(row)
             spread = f"{min(row['throughput_runs']):.1f}-{max(row['throughput_runs']):.1f}"
-            name = policy if theta is None else f"threshold {theta:g}"
+            name = label(row, len(args.drafter) > 1)
             paired = (f"  vs none {statistics.median(row['vs_none_runs']):.3f} "
                       f"({min(row['vs_none_runs']):.3f}-{max(row['vs_none_runs']):.3f})" if base else "")
             print(f"batch {batch:3d}  {name:>15}  {row['throughput']:7.1f} tok/s (runs {spread}){paired}  "
@@ -142,14 +150,24 @@ def write(results: list[dict], args) -> None:
     plot(results, os.path.join(args.out, "throughput.png"))
 
 
+def label(row: dict, with_drafter: bool) -> str:
+    """The policy (its threshold; the drafter when several ran)."""
+    name = row["policy"] if row["threshold"] is None else f"threshold ({row['threshold']:g})"
+    return f"{name} [{row['drafter']}]" if with_drafter and row.get("drafter") else name
+
+
 def best_rows(results: list[dict]) -> list[dict]:
-    """One row per (batch, policy): the best threshold of the sweep stands for "threshold"."""
+    """One row per (batch, policy, drafter): the best threshold of the sweep stands for "threshold"."""
     best: dict = {}
     for r in results:
-        key = (r["batch"], r["policy"])
+        key = (r["batch"], r["policy"], r.get("drafter"))
         if key not in best or r["throughput"] > best[key]["throughput"]:
             best[key] = r
     return sorted(best.values(), key=lambda r: (r["batch"], POLICIES.index(r["policy"])))
+
+
+def several_drafters(results: list[dict]) -> bool:
+    return len({r.get("drafter") for r in results if r.get("drafter")}) > 1
 
 
 def markdown(results: list[dict]) -> str:
@@ -157,7 +175,7 @@ def markdown(results: list[dict]) -> str:
              "| verified / round | tau |",
              "|--:|---|--:|---|---|--:|--:|--:|"]
     for r in best_rows(results):
-        name = r["policy"] if r["threshold"] is None else f"threshold ({r['threshold']:g})"
+        name = label(r, several_drafters(results))
         runs = " ".join(f"{x:.1f}" for x in r["throughput_runs"])
         ratios = r.get("vs_none_runs") or []
         paired = f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else ""
@@ -174,10 +192,12 @@ def plot(results: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     rows = best_rows(results)
-    for policy in POLICIES:
-        mine = [r for r in rows if r["policy"] == policy]
+    curves = dict.fromkeys((r["policy"], r.get("drafter")) for r in rows)
+    for policy, drafter in curves:
+        mine = [r for r in rows if (r["policy"], r.get("drafter")) == (policy, drafter)]
         if mine:
-            ax.plot([r["per_request"] for r in mine], [r["throughput"] for r in mine], "o-", label=policy)
+            ax.plot([r["per_request"] for r in mine], [r["throughput"] for r in mine], "o-",
+                    label=label({**mine[0], "threshold": None}, several_drafters(results)))
             for r in mine:
                 ax.annotate(str(r["batch"]), (r["per_request"], r["throughput"]), fontsize=7)
     ax.set_xlabel("tokens per second per request")

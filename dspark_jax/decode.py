@@ -83,6 +83,7 @@ class SlotState:
     gate_confidences: jax.Array
     gate_rounds: jax.Array  # [slots] int32 drafted rounds in that average (0: the next one replaces it)
     probe_gap: jax.Array  # [] int32 rounds from the last drafted round to the next probe (sched.next_probe_gap)
+    drafted_rounds: jax.Array  # [] int32 rounds the drafter ran (every DEPTH_PROBE_EVERY-th drafts deep)
     next_probe: jax.Array  # [] int32 the value of `forwards` from which the next round probes
     # Serving-time correction of the calibration (sched.online_ratio): decayed sums [G], over the
     # draft positions verification tested, of their calibrated confidence and of their accept
@@ -153,7 +154,7 @@ def new_state(params: dict, dparams, s: DecodeSettings) -> SlotState:
         lagged_confidences=jnp.ones((n, 2, g), jnp.float32),
         gate_confidences=jnp.broadcast_to(gate_start(s), (n, g)),
         gate_rounds=zeros,
-        probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
+        probe_gap=jnp.asarray(sched.PROBE_EVERY, jnp.int32), drafted_rounds=jnp.zeros((), jnp.int32),
         next_probe=jnp.asarray(sched.PROBE_EVERY, jnp.int32),
         online_predicted=jnp.zeros((g,), jnp.float32), online_accepted=jnp.zeros((g,), jnp.float32))
 
@@ -475,7 +476,8 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         gate_confidences=(state.gate_confidences if plain
                           else jnp.where(k < depth, sched.gate_average(state.gate_confidences, state.gate_rounds,
                                                                        calibrated, live), state.gate_confidences)),
-        gate_rounds=state.gate_rounds if plain else state.gate_rounds + live.astype(jnp.int32))
+        gate_rounds=state.gate_rounds if plain else state.gate_rounds + live.astype(jnp.int32),
+        drafted_rounds=state.drafted_rounds + (0 if plain else 1))
     # Every round ages the sums, a plain one included (sched.online_update).
     predicted, hits = sched.online_update(state.online_predicted, state.online_accepted, calibrated, tried, accepted)
     state = dataclasses.replace(state, online_predicted=predicted, online_accepted=hits)
@@ -508,7 +510,8 @@ def draft_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParam
         draft, dstate = mod.draft(dparams, params, s.config, s.dconfig, state.drafter, state.anchor,
                                   state.cache.lengths, keys, rs, kv_len=s.kv_len)
         return draft, dstate, jnp.asarray(g, jnp.int32)
-    need = sched.draft_depth(s.policy, recent_confidences(state), caps, sp, live)
+    probe = state.drafted_rounds % sched.DEPTH_PROBE_EVERY == 0
+    need = sched.draft_depth(s.policy, recent_confidences(state), caps, sp, live, probe)
     index = jnp.searchsorted(jnp.asarray(depths, jnp.int32), need)
 
     def at_depth(depth, dstate):  # the state is only read: a branch that returned it would copy it

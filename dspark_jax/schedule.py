@@ -71,12 +71,23 @@ DEFAULT_THRESHOLD = 0.5
 # round and a probe's replace the average.
 PROBE_EVERY = 16
 # A round drafts only as deep as it may verify (draft_depth): for the table policies, at most this
-# many times the level the gate's recent confidences make best. The cost table prices width w
-# with a draft of depth w - 1 (profile_sps runs "fixed" with max_length w - 1), so a deeper draft
-# costs more than the gate assumed: with 2, dspark / none at batch 4 on this CPU was 0.912 (paired
-# median of 4), with 1 0.952, and 0.980 before drafts had a depth (README, 2026-12-06; all within
-# the runs' spread of about 0.9-1.05).
+# many levels past the one the gate's recent confidences make best. A round's own confidences
+# spread around the average, so the per-round schedule often verifies deeper than the average's
+# best level: replaying the shipped DSpark drafter's 14097 calibration rounds through this CPU's
+# one-row table (benchmarks/replay_schedule.py), the schedule verified 3 tokens in 53 % of them
+# when it could, 1.42x plain by the table, against 1.29x when drafts stop at depth 1. With the
+# rule before (no deeper than the best level itself) one row drafted depth 1 in nearly every
+# round; twice the level lost at batch 4 (0.912 of none against 0.952, README 2026-12-06), where
+# level 2 made it draft all 7. A draft deeper than the verified width costs only the drafter's
+# extra positions (benchmarks/bench_draft_depth.py: depth 3 over depth 1, 0.1 ms at one row and
+# 2.5 ms at 16, against rounds of 30-60 ms on CPU).
 DEPTH_HEADROOM = 1
+# Every DEPTH_PROBE_EVERY-th drafted round of an engine (its first included) drafts as deep as the
+# caps allow where drafting pays (the averages' best level is not 0): a shallow draft leaves the gate averages of the positions past its depth as they
+# were, so a depth chosen low from one early round's confidences stayed low for good (measured at
+# one row: the first round's position-2 confidence of 0.19 held every later round at depth 1,
+# while the positions' real average of about 0.4 makes depth 3 the best one).
+DEPTH_PROBE_EVERY = 8
 MAX_PROBE_EVERY = 256
 PROBE_BUDGET = 0.01
 GATE_DECAY = 0.75
@@ -294,20 +305,23 @@ def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: Schedu
 
 
 def draft_depth(policy: str, recent_confidences: jax.Array, caps: jax.Array, params: ScheduleParams,
-                live: jax.Array) -> jax.Array:
+                live: jax.Array, probe: jax.Array | bool = False) -> jax.Array:
     """[] int32 in [1, G]: how many tokens a round needs drafted (the engine rounds it up to a
     depth it compiles), decided before drafting from what earlier rounds showed, so the depth never
     sees this round's tokens. Nobody verifies past the rows' caps [R] (or max_length); the table
-    policies also look no deeper than DEPTH_HEADROOM times the best level of the recent
+    policies also look no deeper than DEPTH_HEADROOM levels past the best level of the recent
     confidences [R, G] (the gate's averages): a round's own confidences may go deeper than the
     average, not arbitrarily deeper. A deep draft costs little more than a shallow one where the
     drafter is memory-bound (one row), and up to G times as much where it is compute-bound (many
-    rows), which is where the level is low."""
+    rows), which is where the level is low. A depth `probe` [] bool ignores a level above 0 (only
+    the caps bound it): see DEPTH_PROBE_EVERY."""
     caps = jnp.minimum(caps, params.max_length)
     deepest = jnp.max(jnp.where(live, caps, 0))
     if policy in TABLE_POLICIES:
         level = best_level(cap_confidences(recent_confidences, caps), params.sps_table, live)
-        deepest = jnp.minimum(deepest, DEPTH_HEADROOM * level)
+        # A depth probe only where drafting pays at all (level > 0): a closed gate's probes
+        # measure position 1, which is what opens it.
+        deepest = jnp.where(probe & (level > 0), deepest, jnp.minimum(deepest, level + DEPTH_HEADROOM))
     return jnp.clip(deepest, 1, recent_confidences.shape[-1]).astype(jnp.int32)
 
 

@@ -326,7 +326,7 @@ def slot_state_axes(state):
     their layouts, per-slot fields over cache_batch, the engine-wide counters replicated."""
     per_slot = slot_tree_axes(state)
     return dataclasses.replace(per_slot, cache=kv_cache_axes(state.cache), drafter=drafter_state_axes(state.drafter),
-                               forwards=(), row_rounds=(), committed=(), probe_gap=(), next_probe=(),
+                               forwards=(), row_rounds=(), committed=(), probe_gap=(), drafted_rounds=(), next_probe=(),
                                tried=replicated_axes(state.tried),
                                accepted_at=replicated_axes(state.accepted_at),
                                online_predicted=replicated_axes(state.online_predicted),

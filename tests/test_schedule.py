@@ -205,23 +205,26 @@ def test_drafting_pays_weighs_the_drafter_cost():
 
 def test_draft_depth_follows_the_caps_and_the_recent_best_level():
     """The depth a round drafts: never past the live rows' caps or max_length; under the table
-    policies at most DEPTH_HEADROOM times the level the recent confidences make best."""
+    policies at most DEPTH_HEADROOM levels past the one the recent confidences make best, except
+    in a depth probe (caps only)."""
     g = 7
     table = jnp.asarray([9, 9, 9, 8, 8] + [2] * 12, jnp.float32)  # two rows: level 1 best, level 2 loses
     live = jnp.ones((2,), bool)
     recent = jnp.full((2, g), 0.5, jnp.float32)
 
-    def depth(policy, caps=(7, 7), max_length=7, conf=recent, rows_live=live):
+    def depth(policy, caps=(7, 7), max_length=7, conf=recent, rows_live=live, probe=False):
         params = sched.ScheduleParams(table, jnp.float32(0.5), jnp.int32(max_length), jnp.float32(9.0))
-        return int(sched.draft_depth(policy, conf, jnp.asarray(caps, jnp.int32), params, rows_live))
+        return int(sched.draft_depth(policy, conf, jnp.asarray(caps, jnp.int32), params, rows_live, probe))
 
     assert int(sched.best_level(recent, table, live)) == 1
-    assert depth("dspark") == depth("dspark-lagged") == sched.DEPTH_HEADROOM * 1
+    assert depth("dspark") == depth("dspark-lagged") == 1 + sched.DEPTH_HEADROOM
+    assert depth("dspark", probe=True) == 7 and depth("dspark", caps=(4, 3), probe=True) == 4
     assert depth("fixed") == depth("threshold") == 7
     assert depth("fixed", caps=(3, 5)) == 5 and depth("fixed", max_length=4) == 4
     assert depth("fixed", caps=(6, 2), rows_live=jnp.asarray([False, True])) == 2  # a done row's cap is 0
     assert depth("dspark", caps=(1, 1)) == 1
-    assert depth("dspark", conf=jnp.zeros((2, g), jnp.float32)) == 1  # level 0 (a probe): the least depth
+    assert depth("dspark", conf=jnp.zeros((2, g), jnp.float32)) == sched.DEPTH_HEADROOM  # level 0 (a gate probe)
+    assert depth("dspark", conf=jnp.zeros((2, g), jnp.float32), probe=True) == sched.DEPTH_HEADROOM  # not deeper
     assert depth("fixed", max_length=0) == 1
 
 
@@ -467,7 +470,8 @@ def test_a_round_drafts_only_as_deep_as_it_may_verify(tiny):
     target, drafter, _ = tiny
     engine = Engine(target, drafter, slots=2, max_len=128, policy="fixed")
     for max_length, deep in ((1, False), (2, True)):
-        _, out = _engine_rounds(engine, _prompts(2, seed=4), max_length=max_length)
+        state, out = _engine_rounds(engine, _prompts(2, seed=4), max_length=max_length)
+        assert int(state.drafted_rounds) == 3  # the engine's count of drafted rounds (depth probes)
         z = np.concatenate(out.round_confidence_logits[:2])  # [rounds, 3]
         assert len(z) and np.all(z[:, 0] > NO_CONFIDENCE)
         assert np.all(z[:, 1:] > NO_CONFIDENCE) if deep else np.all(z[:, 1:] == NO_CONFIDENCE)
