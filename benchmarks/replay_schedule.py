@@ -10,22 +10,21 @@ limit costs on this drafter and table, without running the model (deterministic;
 The table prices width w with a draft of depth w - 1, so a draft deeper than what a batch
 verifies is priced as the shallower one (its extra drafter cost is benchmarks/bench_draft_depth.py's).
 
-    .venv/bin/python benchmarks/replay_schedule.py --drafter runs/dspark-confidence/drafter \
-        --rounds runs/dspark-confidence/drafter/calibration-rounds.npz --table runs/bench-conf/sps-b1.json
+    .venv/bin/python benchmarks/replay_schedule.py --drafter smollm2-135m-dspark \
+        --rounds train/results/2026-12-06-confidence-refit/calibration-rounds.npz \
+        --table benchmarks/results/sps-cpu-2026-12-06/sps-b1.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import numpy as np
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drafter", required=True, help="a drafter folder with its calibration (drafter.json)")
+    parser.add_argument("--drafter", required=True, help="a drafter (folder or shipped name) with its calibration")
     parser.add_argument("--rounds", required=True, help="calibration-rounds.npz written by train.calibrate")
     parser.add_argument("--table", required=True, help="a cost table JSON for --batch slots (bench_schedule --out)")
     parser.add_argument("--batch", type=int, default=1)
@@ -36,20 +35,24 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from dspark_jax import load_drafter
     from dspark_jax import schedule as sched
-    from dspark_jax.calibration import sigmoid_np
+    from dspark_jax.calibration import confidence_probs
+    from dspark_jax.engine import confidence_calibration
 
-    with open(os.path.join(args.drafter, "drafter.json")) as f:
-        calibration = json.load(f).get("calibration") or {}
+    drafter = load_drafter(args.drafter)
     table = sched.CostTable.load(args.table)
     if table.slots != args.batch:
         parser.error(f"--table {args.table} was profiled at {table.slots} slots, not --batch {args.batch}")
     with np.load(args.rounds) as f:
         z, accepted = f["z"].astype(np.float64), f["accepted"]
     g = z.shape[1]
-    temps = np.asarray(calibration.get("temperatures") or [1.0] * g)
-    shifts = np.asarray(calibration.get("shifts") or [0.0] * g)
-    conf = sigmoid_np(z / temps + shifts).astype(np.float32)  # [n, G] conditional confidences
+    if g != drafter.config.block_size:
+        parser.error(f"--rounds {args.rounds} holds blocks of {g}, the drafter drafts {drafter.config.block_size}")
+    # [n, G] conditional confidences, calibrated as the engine calibrates them
+    temps = confidence_calibration(drafter, drafter.config, "temperatures") or (1.0,) * g
+    shifts = confidence_calibration(drafter, drafter.config, "shifts") or (0.0,) * g
+    conf = np.asarray(confidence_probs(jnp.asarray(z, jnp.float32), jnp.asarray(temps), jnp.asarray(shifts)))
     order = np.random.default_rng(args.seed).permutation(len(z))[: len(z) // args.batch * args.batch]
     groups = order.reshape(-1, args.batch)  # [batches, R]
     sps = np.asarray(table.table, np.float64)

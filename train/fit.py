@@ -150,10 +150,9 @@ def check_config(cfg: FitConfig) -> None:
 
 def load_init(cfg: FitConfig, tcfg):
     """The --init-from drafter (params in float32 for training), or None."""
-    import jax
     import jax.numpy as jnp
 
-    from dspark_jax.drafters import DrafterMismatchError, load_drafter
+    from dspark_jax.drafters import DrafterMismatchError, cast_floats, load_drafter
 
     if cfg.init_from is None:
         return None
@@ -168,8 +167,7 @@ def load_init(cfg: FitConfig, tcfg):
     if missing:
         raise SystemExit(f"--init-from {cfg.init_from} reads target layers {missing}, not among --feature-layers "
                          f"{list(cfg.feature_layers)}")
-    init.params = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a,
-                               init.params)
+    init.params = cast_floats(init.params, jnp.float32)
     return init
 
 
@@ -454,7 +452,6 @@ def run(cfg: FitConfig) -> dict:
     target = data_lib.data_target(cfg.data, cfg.model)
     tcfg = target.config
     init = load_init(cfg, tcfg)
-    dcfg = drafter_config(cfg, tcfg) if init is None else init.config
     train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards, cfg.first_shard)
     devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % devices_on_batch:
@@ -464,6 +461,7 @@ def run(cfg: FitConfig) -> dict:
     if cfg.draft_vocab_size is not None and init is None:
         draft_vocab = data_lib.load_draft_vocab(cfg.data, cfg.draft_vocab_size)
     t = build(cfg, target, mesh, draft_vocab, init)
+    dcfg = t.dcfg
     val_batches = []
     if cfg.eval_every:
         val_data = SequenceData(cfg.data, cfg.feature_layers, "validation", cfg.seq_len)
