@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -386,14 +386,29 @@ class RoundLoad:
     predicted_throughput: jax.Array
 
 
+class ContextColumns(NamedTuple):
+    """Committed columns whose drafter context upkeep (the drafter's `extend`) is still to do:
+    tokens [b, n] int32, features [b, n, m, e] (None for a drafter that reads none), positions
+    [b, n] int32, valid [b, n] bool. A step of plain rounds only gathers one column per round and
+    extends the context once at its end (step): the drafter's context weights are then read
+    once per step instead of once per round."""
+
+    tokens: jax.Array
+    features: jax.Array | None
+    positions: jax.Array
+    valid: jax.Array
+
+
 def decode_round(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Array, *,
-                 s: DecodeSettings, plain: bool):
+                 s: DecodeSettings, plain: bool, defer_context: bool = False):
     """One draft / verify / commit round for every live slot.
 
-    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace, load): row r emitted
-    emitted[r, keep[r]] this round (keep is a prefix mask); trace (RoundTrace) and load
+    Returns (state, emitted [b, G+1] int32, keep [b, G+1] bool, trace, load, deferred): row r
+    emitted emitted[r, keep[r]] this round (keep is a prefix mask); trace (RoundTrace) and load
     (RoundLoad) describe the round for calibration, the scheduler's statistics and monitoring.
-    rounds_left [] int32: this round and the step's later ones (round_caps).
+    rounds_left [] int32: this round and the step's later ones (round_caps). With `defer_context`
+    (plain rounds only) the drafter's context is left as it was and `deferred` holds the round's
+    ContextColumns for the caller to extend it with later; otherwise `deferred` is None.
 
     A plain round (always without a drafter; under policy "none" with one; under the dspark
     policies while their gate is closed, see `step`) sends the anchor alone through the
@@ -449,7 +464,13 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     # Commit: anchor and accepted drafts are now in the target cache and the drafter context.
     committed_len = jnp.where(live, n_acc + 1, 0)
     cache = dataclasses.replace(cache, lengths=anchor_pos + committed_len)
-    if mod is not None:
+    deferred = None
+    if defer_context:
+        if not plain or mod is None:
+            raise ValueError("only a plain round with a drafter defers its context upkeep")
+        deferred = ContextColumns(tokens=block, features=features, positions=positions,
+                                  valid=j < committed_len[:, None])
+    elif mod is not None:
         # All w columns, outside the width switch: a switch whose branches update the drafter's
         # context would make XLA copy it every round, which costs more than the few unverified
         # columns (masked by `committed`, their features are zero padding).
@@ -486,7 +507,7 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
     load = RoundLoad(tokens=plan.tokens, predicted_tau=plan.predicted_tau,
                      predicted_throughput=plan.predicted_throughput)
     pad = [(0, 0), (0, g + 1 - w)]  # a plain round's one column, to the G+1 of a drafted one
-    return state, jnp.pad(emitted, pad), jnp.pad(keep, pad), trace, load
+    return state, jnp.pad(emitted, pad), jnp.pad(keep, pad), trace, load, deferred
 
 
 def draft_depths(block_size: int) -> tuple[int, ...]:
@@ -620,7 +641,8 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
     row leaves (the only events that can open the gate) and ends there; the engine asks the gate
     before the next step. At high load, where the gate stays closed, such a step costs what plain
     decoding costs: the nested loops of a step that may draft cost ~5 ms more per step at 16 rows
-    here (39 vs 42-46 ms per one-round step) even when it drafts nothing.
+    here (39 vs 42-46 ms per one-round step) even when it drafts nothing, and its drafter context
+    upkeep is one `extend` at the end (ContextColumns).
 
     Returns (state, tokens [slots, step_width] int32, counts [slots] int32, rounds run [] int32,
     trace, load): slot r committed tokens[r, :counts[r]] in this call, its first token (from
@@ -645,18 +667,32 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         i, st = carry[:2]
         return (i < rounds) & jnp.any(~st.done)
 
-    def body(plain, carry):
-        i, st, out, counts, trace, load = carry
-        st, emitted, keep, now, now_load = decode_round(params, dparams, st, sp, rounds - i, s=s, plain=plain)
+    def body(plain, carry, defer=False):
+        i, st, out, counts, trace, load, deferred = carry
+        st, emitted, keep, now, now_load, columns = decode_round(params, dparams, st, sp, rounds - i, s=s,
+                                                                 plain=plain, defer_context=defer)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
         out = out.at[rows, at].set(emitted, mode="drop")
         trace = jax.tree.map(lambda buf, x: buf.at[:, i].set(x), trace, now)
         load = jax.tree.map(lambda buf, x: buf.at[i].set(x), load, now_load)
-        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace, load
+        if defer:  # round i's one column, at column i of the step's buffer
+            deferred = jax.tree.map(lambda buf, x: buf.at[:, i].set(x[:, 0]), deferred, columns)
+        return i + 1, st, out, counts + keep.sum(axis=1, dtype=jnp.int32), trace, load, deferred
 
-    carry = (jnp.zeros((), jnp.int32), state, out, counts, trace, load)
     mod = drafter_module(s)
+    # A step of plain rounds only (policy "none" over a drafter, or the dspark gate shut at the
+    # start) defers the drafter's context upkeep to one `extend` over all its rounds at the end:
+    # nothing drafts before then, and one call reads the context weights once, not once a round.
+    # Measured at 4 rows on CPU, where the gate stays shut (benchmarks/bench_schedule.py, paired
+    # repeats): dspark / none 0.968 (0.962-0.975) with an extend per round, 0.979 (0.973-0.987).
+    defer = mod is not None and (s.policy == "none" or (shut and s.policy in sched.TABLE_POLICIES))
+    deferred = None
+    if defer:
+        shapes = jax.eval_shape(lambda st: decode_round(params, dparams, st, sp, jnp.asarray(rounds, jnp.int32), s=s,
+                                                        plain=True, defer_context=True)[-1], state)
+        deferred = jax.tree.map(lambda x: jnp.zeros((x.shape[0], rounds) + x.shape[2:], x.dtype), shapes)
+    carry = (jnp.zeros((), jnp.int32), state, out, counts, trace, load, deferred)
 
     def drafts(carry, probes=True, measured_only=False):
         i, st = carry[:2]
@@ -666,7 +702,8 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         return jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
 
     if mod is None or s.policy not in sched.TABLE_POLICIES:
-        carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none"), carry)
+        carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none", defer=defer),
+                                   carry)
     elif shut:
         # Plain rounds until the gate could open: plain rounds leave its confidences as they are
         # and only shrink the rows' caps, so only a due probe or a row leaving can open it. Those
@@ -679,7 +716,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
             st = c[1]
             return going(c) & (st.forwards < probe_at) & (jnp.sum(~st.done) == rows_live)
 
-        carry = jax.lax.while_loop(closed, functools.partial(body, True), carry)
+        carry = jax.lax.while_loop(closed, functools.partial(body, True, defer=True), carry)
     else:
         # The dspark gate decides each round whether to draft at all. Its two kinds of round run
         # in two inner loops, plain rounds while the gate is closed and then one drafted round: a
@@ -704,5 +741,8 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
             return (carry[0], st, *carry[2:])
 
         carry = jax.lax.while_loop(going, plain_then_one_drafted, carry)
-    ran, state, out, counts, trace, load = carry
+    ran, state, out, counts, trace, load, deferred = carry
+    if deferred is not None:  # columns of rounds not run are not valid: extend drops them
+        state = dataclasses.replace(state, drafter=mod.extend(dparams, params, s.config, s.dconfig, state.drafter,
+                                                              *deferred))
     return state, out, counts, ran, trace, load

@@ -634,13 +634,29 @@ def test_a_round_opened_by_start_values_counts_as_a_probe(tiny):
                                                        2 + 2 * sched.PROBE_EVERY + 4 * sched.PROBE_EVERY]
 
 
-def test_plain_rounds_keep_the_drafter_context(tiny):
+def _context_rows(state, kind, row, length):
+    """The drafter context a row's committed `length` positions wrote: DFlash K/V slots
+    [0, length); EAGLE-3's entries [0, length - 1) (entry p waits for the token at p + 1) and
+    its pending feature; the n-gram drafter's token history."""
+    d = state.drafter
+    if kind == "dspark":
+        return [d.k[:, row, :, :length], d.v[:, row, :, :length]]
+    if kind == "eagle3":
+        return [d.k[row, :length - 1], d.v[row, :length - 1], d.pending[row]]
+    return [d.history[row, :length]]
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "ngram"])
+def test_plain_rounds_keep_the_drafter_context(tiny, kind):
     """A drafter engine's plain rounds (policy "none" per call) and a closed dspark gate's (the
-    plain-only `shut` program) emit the plain greedy tokens and give the drafter's context the
-    same K/V as rounds that verify whole blocks, so the gate's next probe drafts from it."""
-    from dspark_jax import Engine, SamplingParams, generate
+    plain-only `shut` program), which both extend the drafter's context once per step over all
+    their rounds, emit the plain greedy tokens and give the drafter the same context as rounds
+    that verify whole blocks, so the gate's next probe drafts from it."""
+    from dspark_jax import Engine, SamplingParams, generate, init_drafter
 
     target, drafter, _ = tiny
+    if kind != "dspark":
+        drafter = init_drafter(target, kind, seed=2, block_size=3)
     prompts = _prompts(3, seed=4)
     closed = np.asarray([1.0] * 5 + [0.1] * 12)  # B > 4: any draft token costs far more than it gains
 
@@ -656,22 +672,27 @@ def test_plain_rounds_keep_the_drafter_context(tiny):
                 tokens[i] += out.tokens[i]
         return st, tokens, drafted
 
-    plain_state, plain_tokens, _ = run("none")
+    plain_state, plain_tokens, _ = run("none", rounds=5)  # 5: the last step's rounds run past the end
     fixed_state, fixed_tokens, _ = run("fixed")
-    shut_state, shut_tokens, shut_drafted = run("dspark", rounds=8)
-    assert shut_drafted.count(False) >= 16  # the gate's first probe is 16 rounds in: those ran shut
-    assert plain_tokens == fixed_tokens == shut_tokens == generate(target, prompts, max_new_tokens=24).token_ids
+    assert plain_tokens == fixed_tokens == generate(target, prompts, max_new_tokens=24).token_ids
     lengths = np.asarray(plain_state.cache.lengths)
-    for other in (fixed_state, shut_state):
+    others = [fixed_state]
+    if kind == "dspark":  # the gate reads a confidence head
+        shut_state, shut_tokens, shut_drafted = run("dspark", rounds=8)
+        assert shut_drafted.count(False) >= 16  # the gate's first probe is 16 rounds in: those ran shut
+        assert shut_tokens == plain_tokens
+        others.append(shut_state)
+    for other in others:
         assert lengths[:3].tolist() == np.asarray(other.cache.lengths)[:3].tolist()
-        for a, b in ((plain_state.drafter.k, other.drafter.k), (plain_state.drafter.v, other.drafter.v)):
-            for row in range(3):  # every committed position's context K/V, however it was committed
-                np.testing.assert_allclose(np.asarray(a[:, row, :, :lengths[row]], np.float32),
-                                           np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=0.02, atol=0.02)
-    for a, b in ((plain_state.drafter.k, shut_state.drafter.k), (plain_state.drafter.v, shut_state.drafter.v)):
+        for row in range(3):  # every committed position's context, however it was committed
+            for a, b in zip(_context_rows(plain_state, kind, row, lengths[row]),
+                            _context_rows(other, kind, row, lengths[row])):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0.02, atol=0.02)
+    if kind == "dspark":
         for row in range(3):  # the same projections of the same features: equal up to float rounding
-            np.testing.assert_allclose(np.asarray(a[:, row, :, :lengths[row]], np.float32),
-                                       np.asarray(b[:, row, :, :lengths[row]], np.float32), rtol=1e-4, atol=1e-5)
+            for a, b in zip(_context_rows(plain_state, kind, row, lengths[row]),
+                            _context_rows(shut_state, kind, row, lengths[row])):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-4, atol=1e-5)
 
 
 def test_dspark_span_plans_for_plain_rounds_and_drafts_are_cut_to_it(tiny, tmp_path_factory):
