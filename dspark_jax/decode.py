@@ -34,7 +34,7 @@ from dspark_jax import schedule as sched
 from dspark_jax.calibration import confidence_probs
 from dspark_jax.drafters.config import DraftOutput, DrafterConfig
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.transformer import KVCache, forward, forward_chunk, init_cache, logits_from_hidden, write_chunk_kv
+from dspark_jax.models.transformer import KVCache, forward, forward_chunk, init_cache, logits_from_hidden
 from dspark_jax.sampling import RowSampling, all_greedy, filtered_probs, row_keys, sample_tokens
 from dspark_jax.verify import verify_block, verify_greedy
 
@@ -213,7 +213,7 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
     cfg = s.config
     slots = jnp.where(req.slots >= 0, req.slots, s.slots)  # padding -> out of range -> dropped
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
-    hidden, chunk, features = forward_chunk(params, cfg, req.tokens, positions, None, s.feature_layers)
+    hidden, chunk, features = forward_chunk(params, cfg, req.tokens, positions, s.feature_layers)
     last = jnp.take_along_axis(hidden, (req.lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, e]
     keys = row_keys(req.seed_key, req.lengths, KEY_FIRST_TOKEN)
     first = sample_tokens(logits_from_hidden(params, last), keys, req.sampling)  # [n]
@@ -284,46 +284,53 @@ def verify_widths(block_size: int) -> tuple[int, ...]:
     return tuple(widths) + (block_size + 1,)
 
 
-def at_verify_width(lengths: jax.Array, block_size: int, fn, *operands):
-    """fn(w, *operands) for w the smallest compiled width >= max(lengths) + 1, chosen on the device
-    (lax.switch over verify_widths): a round where every row verifies little costs little."""
-    widths = verify_widths(block_size)
-    if len(widths) == 1:
-        return fn(widths[0], *operands)
-    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
-    return jax.lax.switch(index, [functools.partial(fn, w) for w in widths], *operands)
-
-
 def verify(params, cache: KVCache, draft: DraftOutput, block, positions, lengths, keys, rs: RowSampling, *,
            s: DecodeSettings):
-    """Target forward over the first w columns of block [b, G+1] (at_verify_width) and the
-    verification rule on those columns.
+    """Target forward over the first w columns of block [b, G+1] and the verification rule on
+    those columns, w the smallest compiled width >= max(lengths) + 1 (verify_widths).
 
     Returns (num_accepted [b], next_token [b], cache, features [b, G+1, m, e] or None; zero past
-    w). Everything that scales with the width (forward, LM head, the rule over [b, w, V]) runs
-    inside the width's branch, so a round that verifies little neither pays for nor writes
-    G+1 columns of logits. The branches only read the cache; the chunk's K/V (zero past w) are
-    written once after the switch, all G+1 columns: a branch that wrote the cache would make XLA
-    copy it every round. The padding lands in slots past each row's committed length, which hold
-    nothing that is read.
+    w). Everything that scales with the width (forward, LM head, the rule over [b, w, V]) runs at
+    that width only, so a round that verifies little neither pays for nor writes G+1 columns of
+    logits. Each width is a while loop that runs once or not at all, chosen on the device, and
+    its forward writes the chunk's K/V into the cache first and attends to the updated buffer,
+    as plain decoding does: XLA updates a loop-carried cache in place. (A lax.switch over the
+    widths copied any cache its branches wrote, so its branches read the cache and attended to
+    the chunk as a second softmax part; reading the attention span of a cache that is not
+    being written cost XLA:CPU a copy of the span per layer, ~30 % more than this per round at
+    4 rows.) Columns past a row's verified length land in slots past its committed length,
+    which hold nothing that is read.
     """
     g1 = block.shape[1]
-    if len(verify_widths(g1 - 1)) == 1:  # no switch (plain decoding): write first, in place
-        hidden, cache, feats = forward(params, s.config, block, positions, cache, s.feature_layers, kv_len=s.kv_len)
-        return (*verify_rule(draft, logits_from_hidden(params, hidden), lengths, keys, rs, s=s), cache, feats)
+    widths = verify_widths(g1 - 1)
 
     def run(width, cache):
-        hidden, chunk, feats = forward_chunk(params, s.config, block[:, :width], positions[:, :width], cache,
-                                             s.feature_layers, kv_len=s.kv_len)
+        hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
+                                       s.feature_layers, kv_len=s.kv_len)
         # Drafts past every row's l are never read.
         n_acc, next_token = verify_rule(draft.first(width - 1), logits_from_hidden(params, hidden), lengths, keys,
                                         rs, s=s)
         if feats is not None:
             feats = jnp.pad(feats, [(0, 0), (0, g1 - width), (0, 0), (0, 0)])
-        return n_acc, next_token, chunk.pad_to(g1), feats
+        return n_acc, next_token, cache, feats
 
-    n_acc, next_token, chunk, feats = at_verify_width(lengths, g1 - 1, run, cache)
-    return n_acc, next_token, write_chunk_kv(cache, chunk, positions[:, 0]), feats
+    if len(widths) == 1:  # one width (plain decoding): no choice to make
+        return run(widths[0], cache)
+    index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
+    shapes = jax.eval_shape(functools.partial(run, widths[-1]), cache)
+    carry = tuple(cache if i == 2 else None if x is None else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(shapes))
+    for k, width in enumerate(widths):
+        carry = run_once(index == k, functools.partial(run, width), carry)
+    return carry
+
+
+def run_once(pred: jax.Array, fn, carry: tuple) -> tuple:
+    """fn(carry[2]) when pred (a [] bool), else carry: a while loop of one trip or none, whose
+    carried arrays (carry[2], a cache) XLA updates in place, where a lax.cond copied them."""
+    def once(c):
+        return jnp.zeros((), bool), fn(c[1][2])
+
+    return jax.lax.while_loop(lambda c: c[0], once, (pred, carry))[1]
 
 
 def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,

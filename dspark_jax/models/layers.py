@@ -58,54 +58,28 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, kv_majo
     q [b, t, kv_heads * groups, d]; k, v [b, s, kv_heads, d], or [b, kv_heads, s, d] with kv_major
     (the KV-cache layout, so the cache is never transposed); mask [b, t, s] (True = visible).
     Returns [b, t, kv_heads * groups, d]. Softmax runs in float32.
+
+    Products are plain batched matmuls over (b, kv_heads) with the (group, query) rows together:
+    scores [g*t, d] x [s, d]^T and weights [g*t, s] x [s, d]. Written as einsums with other
+    output orders, XLA:CPU transposed the whole cache or ran the weights x values product as a
+    slow transposed matmul in every layer.
     """
     if not kv_major:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [b, kv_heads, s, d]
-    return attend_parts(q, [(k, v, mask)])
-
-
-def attend_parts(q: jax.Array, parts) -> jax.Array:
-    """Grouped-query attention of q over several sets of keys and values at once, as if they were
-    concatenated along the key axis, without concatenating them.
-
-    q [b, t, kv_heads * groups, d]; parts: (k, v, mask) with k, v [b, kv_heads, s_i, d] (kv-major)
-    and mask [b, t, s_i] (True = visible); every query must see at least one key in some part.
-    Returns [b, t, kv_heads * groups, d].
-
-    The verification forward attends to the KV cache (read only) and to its own new keys as two
-    parts: writing the new keys into the cache first would make the cache an output of every
-    branch of the width switch, and XLA then copies it every round. The softmax is merged over
-    the parts by a shared maximum and a summed denominator, which is the softmax of the
-    concatenation. Products are plain batched matmuls over (b, kv_heads) with the (group, query)
-    rows together: scores [g*t, d] x [s, d]^T and weights [g*t, s] x [s, d]. Written as einsums
-    with other output orders, XLA:CPU transposed the whole cache or ran the weights x values
-    product as a slow transposed matmul in every layer.
-    """
     b, t, num_heads, d = q.shape
-    kv_heads = parts[0][0].shape[1]
+    kv_heads = k.shape[1]
     g = num_heads // kv_heads
     rows = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)  # (g, t) rows
     batch = ((0, 1), (0, 1))
-    scale = 1.0 / math.sqrt(d)
-    masked = []  # per part: scores [b, kv_heads, g*t, s_i] float32, masked
-    for k, _, mask in parts:
-        scores = lax.dot_general(rows, k.astype(q.dtype), (((3,), (3,)), batch),
-                                 preferred_element_type=jnp.float32).reshape(b, kv_heads, g, t, -1)
-        scores = jnp.where(mask[:, None, None, :, :], scores * scale, jnp.finfo(jnp.float32).min)
-        masked.append(scores.reshape(b, kv_heads, g * t, -1))
-    top = masked[0].max(axis=-1, keepdims=True)
-    for scores in masked[1:]:
-        top = jnp.maximum(top, scores.max(axis=-1, keepdims=True))
-    top = lax.stop_gradient(top)
-    out, total = None, None
-    for scores, (_, v, _) in zip(masked, parts):
-        weights = jnp.exp(scores - top)  # [b, kv_heads, g*t, s_i]
-        part_sum = weights.sum(axis=-1, keepdims=True)
-        part_out = lax.dot_general(weights.astype(v.dtype), v.astype(q.dtype), (((3,), (2,)), batch),
-                                   preferred_element_type=jnp.float32)  # [b, kv_heads, g*t, d]
-        out = part_out if out is None else out + part_out
-        total = part_sum if total is None else total + part_sum
-    out = (out / total).astype(q.dtype)
+    scores = lax.dot_general(rows, k.astype(q.dtype), (((3,), (3,)), batch),
+                             preferred_element_type=jnp.float32).reshape(b, kv_heads, g, t, -1)
+    scores = jnp.where(mask[:, None, None, :, :], scores * (1.0 / math.sqrt(d)), jnp.finfo(jnp.float32).min)
+    scores = scores.reshape(b, kv_heads, g * t, -1)  # [b, kv_heads, g*t, s] float32, masked
+    top = lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+    weights = jnp.exp(scores - top)
+    out = lax.dot_general(weights.astype(v.dtype), v.astype(q.dtype), (((3,), (2,)), batch),
+                          preferred_element_type=jnp.float32)  # [b, kv_heads, g*t, d]
+    out = (out / weights.sum(axis=-1, keepdims=True)).astype(q.dtype)
     return out.reshape(b, kv_heads, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, num_heads, d)
 
 

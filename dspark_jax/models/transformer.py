@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dspark_jax.models.config import ModelConfig
-from dspark_jax.models.layers import attend, attend_parts, linear, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
+from dspark_jax.models.layers import attend, linear, rms_norm, rope_inv_freq, rope_tables, rotate, swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -132,11 +132,6 @@ class ChunkKV:
     k: tuple[jax.Array, ...]  # per layer [batch, t, kv_heads, head_dim]
     v: tuple[jax.Array, ...]  # per layer [batch, t, kv_heads, head_dim]
 
-    def pad_to(self, t: int) -> "ChunkKV":
-        """Zero columns appended up to t (verification's branches must return one shape)."""
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, t - x.shape[1]), (0, 0), (0, 0)])  # noqa: E731
-        return ChunkKV(k=tuple(map(pad, self.k)), v=tuple(map(pad, self.v)))
-
 
 def write_chunk(buffer: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Array:
     """Write chunk [b, t, kv_heads, d] into a cache buffer [b, kv_heads, max_len, d] at slots
@@ -154,21 +149,14 @@ def write_chunk(buffer: jax.Array, chunk: jax.Array, start: jax.Array) -> jax.Ar
     return jax.vmap(lambda row, new, s0: lax.dynamic_update_slice(row, new, (0, s0, 0)))(buffer, rows, start)
 
 
-def write_chunk_kv(cache: KVCache, chunk: ChunkKV, start: jax.Array) -> KVCache:
-    """The cache with every layer's chunk written at slots start[b] onwards (lengths unchanged)."""
-    return KVCache(k=tuple(write_chunk(buf, new, start) for buf, new in zip(cache.k, chunk.k)),
-                   v=tuple(write_chunk(buf, new, start) for buf, new in zip(cache.v, chunk.v)),
-                   lengths=cache.lengths)
-
-
-def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_len, write: bool):
+def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_len):
     """The layers of forward / forward_chunk: (hidden, cache written or None, ChunkKV, features).
 
-    With write, each layer writes its chunk into the cache first and then attends to the updated
-    buffer (committed slots and the chunk's own slots, causally): the read depends on the write,
-    so XLA updates the buffer in place; reading the old buffer and writing it afterwards made
-    XLA copy it inside the decode loop. Without write, the cache is read only and the chunk is
-    a second part of the same softmax (layers.attend_parts).
+    With a cache, each layer writes its chunk into the cache first and then attends to the
+    updated buffer (committed slots and the chunk's own slots, causally): the read depends on the
+    write, so XLA updates the buffer in place. Reading the old buffer and writing it afterwards
+    made XLA copy it inside the decode loop, and attending to a cache that is only read made
+    XLA:CPU copy its attention span in every layer. Without a cache only the chunk is visible.
     """
     rope = target_rope(config, positions)
     h = embed(params, tokens)
@@ -180,15 +168,12 @@ def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_
                          f"got {feature_layers}")
     taps = {-1: h} if -1 in feature_layers else {}  # layer id -> its output [b, t, e]
 
-    chunk_mask = positions[:, None, :] <= positions[:, :, None]  # [b, t, t] causal by position
     if cache is not None:
         span = cache.max_len if kv_len is None else min(int(kv_len), cache.max_len)
         slots = jnp.arange(span, dtype=jnp.int32)[None, None, :]
         committed = slots < positions[:, :1, None]  # [b, 1, span]
-        if write:  # the chunk's own slots too, causally
-            cache_mask = committed | ((slots >= positions[:, :1, None]) & (slots <= positions[:, :, None]))
-        else:
-            cache_mask = jnp.broadcast_to(committed, (b, t, span))
+        # the chunk's own slots too, causally
+        cache_mask = committed | ((slots >= positions[:, :1, None]) & (slots <= positions[:, :, None]))
 
     layers = unstack_layers(params)["layers"]  # a no-op for loaded targets
     new_k, new_v, out_k, out_v = [], [], [], []
@@ -197,17 +182,14 @@ def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_
         q, k, v = project_qkv(lp, config, x, rope)
         new_k.append(k)
         new_v.append(v)
-        chunk_part = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), chunk_mask)  # kv-major
         if cache is None:
-            attn = attend_parts(q, [chunk_part])
-        elif write:
+            attn = attend(q, k, v, positions[:, None, :] <= positions[:, :, None])  # causal by position
+        else:
             layer_k = write_chunk(cache.k[i], k, positions[:, 0])
             layer_v = write_chunk(cache.v[i], v, positions[:, 0])
-            attn = attend_parts(q, [(layer_k[:b, :, :span], layer_v[:b, :, :span], cache_mask)])
+            attn = attend(q, layer_k[:b, :, :span], layer_v[:b, :, :span], cache_mask, kv_major=True)
             out_k.append(layer_k)
             out_v.append(layer_v)
-        else:
-            attn = attend_parts(q, [(cache.k[i][:b, :, :span], cache.v[i][:b, :, :span], cache_mask), chunk_part])
         h = h + linear(attn.reshape(b, t, -1), lp["wo"])
         h = mlp_residual(lp, config, h)
         if i in feature_layers:
@@ -219,23 +201,16 @@ def _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_
 
 
 def forward_chunk(params: dict, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                  cache: KVCache | None = None, feature_layers: tuple[int, ...] = (), kv_len: int | None = None):
+                  feature_layers: tuple[int, ...] = ()):
     """Run the decoder stack over a chunk of new tokens [b, t] at absolute positions [b, t]
-    (consecutive within a row), reading the cache but not writing it.
-
-    Each row's chunk starts at positions[:, 0]; queries attend to the cache's committed slots
-    before it and causally (by position) to the chunk itself. `kv_len` (static) limits the cache
-    to slots [0, kv_len): the caller guarantees every position is below it, so a short context
-    does not pay for reading the whole max_len cache. Without a cache only the chunk is visible
-    (padding must carry positions past the real ones). Layers run as an unrolled loop over
-    per-layer buffers (see unstack_layers). For the inside of a lax.switch or cond, whose
-    branches must not write the cache (write_chunk_kv after it).
+    (consecutive within a row) with no cache: each token attends causally (by position) to the
+    chunk alone (padding must carry positions past the real ones). For a caller that places the
+    chunk's K/V itself (the Engine's insert writes each prompt's into its slot's rows).
 
     Returns (hidden [b, t, e] after the final norm, ChunkKV of the chunk,
     features [b, t, m, e] of `feature_layers` (layer -1 = embedding output) or None).
     """
-    hidden, _, chunk, features = _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_len,
-                                                write=False)
+    hidden, _, chunk, features = _decoder_stack(params, config, tokens, positions, None, feature_layers, None)
     return hidden, chunk, features
 
 
@@ -248,13 +223,17 @@ def forward(
     feature_layers: tuple[int, ...] = (),
     kv_len: int | None = None,
 ):
-    """forward_chunk with the chunk's K/V written into the cache at slots `positions` (which must
-    lie inside it), in place.
+    """Run the decoder stack over a chunk of new tokens [b, t] at absolute positions [b, t]
+    (consecutive within a row), its K/V written into the cache at slots `positions` (which must lie
+    inside it) in place. Queries attend to the cache's committed slots before positions[:, 0] and
+    causally to the chunk. `kv_len` (static) limits attention to slots [0, kv_len): the caller
+    guarantees every position it reads is below it, so a short context does not pay for reading
+    the whole max_len cache. Without a cache, only the chunk is visible. Layers run as an
+    unrolled loop over per-layer buffers (see unstack_layers).
 
     Returns (hidden [b, t, e] after the final norm, updated cache or None,
     features [b, t, m, e] or None). The cache's `lengths` are left to the caller, who knows how
     many tokens were committed.
     """
-    hidden, written, _, features = _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_len,
-                                                  write=True)
+    hidden, written, _, features = _decoder_stack(params, config, tokens, positions, cache, feature_layers, kv_len)
     return hidden, written, features
