@@ -478,7 +478,7 @@ def decode_round(params: dict, dparams, state: SlotState, sp: sched.SchedulePara
         deferred = ContextColumns(tokens=block, features=features, positions=positions,
                                   valid=j < committed_len[:, None])
     elif mod is not None:
-        # All w columns, outside the width switch: a switch whose branches update the drafter's
+        # All w columns, after the width loops: a switch whose branches update the drafter's
         # context would make XLA copy it every round, which costs more than the few unverified
         # columns (masked by `committed`, their features are zero padding).
         dstate = mod.extend(dparams, params, s.config, s.dconfig, dstate, block, features, positions,
