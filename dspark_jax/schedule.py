@@ -91,6 +91,13 @@ DEPTH_PROBE_EVERY = 8
 MAX_PROBE_EVERY = 256
 PROBE_BUDGET = 0.01
 GATE_DECAY = 0.75
+# The gate drafts only where the best level's Theta beats a plain round by this fraction. The
+# table prices single rounds; a step that may draft also pays what the table does not hold (its
+# nested loops, the gate's question before each step), and the acceptance it expects comes from
+# confidences measured on other prompts. Without a margin, cheaper drafted rounds opened the gate
+# at 4 rows on a predicted gain of a few percent and lost 8 % to plain decoding (README,
+# "Scheduler benchmark (2026-12-06c)"); with 0.1 the gate stays shut there and batch 1 is unchanged.
+GATE_MARGIN = 0.1
 # Serving-time correction of the calibration (online_ratio): STS is fitted offline on one
 # distribution, and served prompts differ (measured: the shipped drafter's position-1 confidence
 # 0.45 on the rows the schedule verified at batch 4 on MT-Bench + HumanEval, 0.32 accepted).
@@ -294,13 +301,13 @@ def drafting_pays(recent_confidences: jax.Array, caps: jax.Array, params: Schedu
     """[] bool: whether this round runs the drafter at all (the dspark policies). It does when the
     slots' recent confidences [R, G] (an average over past drafted rounds, so the decision cannot
     see this round's tokens and cannot bias the output) say the best level, drafter's cost
-    included (the table), beats a round without a draft (params.plain_sps); else the round is
+    included (the table), beats a round without a draft (params.plain_sps) by GATE_MARGIN; else the round is
     plain decoding. A round where `probe_due` drafts anyway (unless max_length is 0), so
     confidences that were low are measured again."""
     caps = jnp.minimum(caps, params.max_length)
     conf = cap_confidences(recent_confidences, caps)
     best = jnp.max(_level_thetas(conf, params.sps_table, live))
-    pays = best > base_tau(conf.shape[0], live) * params.plain_sps
+    pays = best > (1.0 + GATE_MARGIN) * base_tau(conf.shape[0], live) * params.plain_sps
     return (pays | probe_due) & (params.max_length > 0)
 
 

@@ -179,7 +179,8 @@ def test_level_schedule_is_prefix_schedule_for_one_row_and_dense_for_many():
 
 def test_drafting_pays_weighs_the_drafter_cost():
     # Two rows, confidences 0.5: with the drafter, widths 1 / 2 / 3 run 9 / 8 / 7 rounds/s, so the
-    # best level (2) gives Theta = (2 + 1 + 0.5) * 7 = 24.5; a plain round gives 2 * plain_sps.
+    # best level (2) gives Theta = (2 + 1 + 0.5) * 7 = 24.5; a plain round gives 2 * plain_sps, and
+    # drafting must beat it by GATE_MARGIN.
     conf = jnp.full((2, 2), 0.5, jnp.float32)
     table = jnp.asarray([9, 9, 9, 8, 8, 7, 7], jnp.float32)
     caps, live = jnp.asarray([2, 2], jnp.int32), jnp.ones((2,), bool)
@@ -188,7 +189,8 @@ def test_drafting_pays_weighs_the_drafter_cost():
         params = sched.ScheduleParams(table, jnp.float32(0.5), jnp.int32(max_length), jnp.float32(plain))
         return bool(sched.drafting_pays(conf, caps, params, live, jnp.bool_(probe_due)))
 
-    assert pays(12.0) and not pays(12.5)  # 24.5 against 24 and 25
+    even = 24.5 / (2 * (1 + sched.GATE_MARGIN))  # the plain rate at which drafting just fails to pay
+    assert pays(even - 0.25) and not pays(even + 0.25) and not pays(12.0)  # 12.0: a gain inside the margin
     assert pays(12.5, probe_due=True)  # the probe round drafts anyway...
     assert not pays(1.0, max_length=0)  # ...but nothing drafts under a cap of 0
     # Probes: PROBE_EVERY rounds after a round that paid, else twice the last gap, capped.
