@@ -284,27 +284,35 @@ def verify_widths(block_size: int) -> tuple[int, ...]:
     return tuple(widths) + (block_size + 1,)
 
 
+class Verified(NamedTuple):
+    """What a round's verification returns."""
+
+    num_accepted: jax.Array  # [b] int32
+    next_token: jax.Array  # [b] int32
+    cache: KVCache  # the block's K/V written at positions onwards (lengths unchanged)
+    features: jax.Array | None  # [b, G+1, m, e], zero past the verified width
+
+
 def verify(params, cache: KVCache, draft: DraftOutput, block, positions, lengths, keys, rs: RowSampling, *,
-           s: DecodeSettings):
+           s: DecodeSettings) -> Verified:
     """Target forward over the first w columns of block [b, G+1] and the verification rule on
     those columns, w the smallest compiled width >= max(lengths) + 1 (verify_widths).
 
-    Returns (num_accepted [b], next_token [b], cache, features [b, G+1, m, e] or None; zero past
-    w). Everything that scales with the width (forward, LM head, the rule over [b, w, V]) runs at
+    Everything that scales with the width (forward, LM head, the rule over [b, w, V]) runs at
     that width only, so a round that verifies little neither pays for nor writes G+1 columns of
-    logits. Each width is a while loop that runs once or not at all, chosen on the device, and
-    its forward writes the chunk's K/V into the cache first and attends to the updated buffer,
-    as plain decoding does: XLA updates a loop-carried cache in place. (A lax.switch over the
-    widths copied any cache its branches wrote, so its branches read the cache and attended to
-    the chunk as a second softmax part; reading the attention span of a cache that is not
-    being written cost XLA:CPU a copy of the span per layer, ~30 % more than this per round at
-    4 rows.) Columns past a row's verified length land in slots past its committed length,
-    which hold nothing that is read.
+    logits. Each width is a while loop that runs once or not at all, chosen on the device
+    (run_once), and its forward writes the chunk's K/V into the cache first and attends to the
+    updated buffer, as plain decoding does: XLA updates a loop-carried cache in place. (A
+    lax.switch over the widths copied any cache its branches wrote, so its branches read the
+    cache and attended to the chunk as a second softmax part; XLA:CPU then copied the cache's
+    attention span in every layer: a round verifying one draft token cost 1.27x a plain round at
+    4 rows, 1.14x written first, benchmarks/bench_round_cost.py.) Columns past a row's verified
+    length land in slots past its committed length, which hold nothing that is read.
     """
     g1 = block.shape[1]
     widths = verify_widths(g1 - 1)
 
-    def run(width, cache):
+    def run(width, cache) -> Verified:
         hidden, cache, feats = forward(params, s.config, block[:, :width], positions[:, :width], cache,
                                        s.feature_layers, kv_len=s.kv_len)
         # Drafts past every row's l are never read.
@@ -312,25 +320,24 @@ def verify(params, cache: KVCache, draft: DraftOutput, block, positions, lengths
                                         rs, s=s)
         if feats is not None:
             feats = jnp.pad(feats, [(0, 0), (0, g1 - width), (0, 0), (0, 0)])
-        return n_acc, next_token, cache, feats
+        return Verified(n_acc, next_token, cache, feats)
 
     if len(widths) == 1:  # one width (plain decoding): no choice to make
         return run(widths[0], cache)
+    shape = jax.eval_shape(functools.partial(run, widths[-1]), cache)
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)  # noqa: E731
+    out = Verified(zeros(shape.num_accepted), zeros(shape.next_token), cache, zeros(shape.features))
     index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths) + 1)
-    shapes = jax.eval_shape(functools.partial(run, widths[-1]), cache)
-    carry = tuple(cache if i == 2 else None if x is None else jnp.zeros(x.shape, x.dtype) for i, x in enumerate(shapes))
     for k, width in enumerate(widths):
-        carry = run_once(index == k, functools.partial(run, width), carry)
-    return carry
+        out = run_once(index == k, lambda v, width=width: run(width, v.cache), out)
+    return out
 
 
-def run_once(pred: jax.Array, fn, carry: tuple) -> tuple:
-    """fn(carry[2]) when pred (a [] bool), else carry: a while loop of one trip or none, whose
-    carried arrays (carry[2], a cache) XLA updates in place, where a lax.cond copied them."""
-    def once(c):
-        return jnp.zeros((), bool), fn(c[1][2])
-
-    return jax.lax.while_loop(lambda c: c[0], once, (pred, carry))[1]
+def run_once(pred: jax.Array, fn, operand):
+    """fn(operand) when pred (a [] bool), else operand (fn keeps its structure): a while loop of
+    one trip or none, whose carried arrays (a cache) XLA updates in place, where a lax.cond
+    copied them."""
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (jnp.zeros((), bool), fn(c[1])), (pred, operand))[1]
 
 
 def verify_rule(draft: DraftOutput, target_logits: jax.Array, lengths: jax.Array, keys: jax.Array,
