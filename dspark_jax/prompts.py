@@ -25,13 +25,7 @@ def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
             if tokenizer is None:
                 raise PromptError("this target has no tokenizer; pass prompts as lists of token ids")
             if chat:
-                if tokenizer.chat_template is None:
-                    raise PromptError("chat=True but the tokenizer has no chat template; pass chat=False")
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-                if isinstance(ids, dict) or hasattr(ids, "keys"):
-                    ids = ids["input_ids"]
+                ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
             else:
                 ids = tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
@@ -43,6 +37,17 @@ def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
             raise PromptError(f"prompt {i} is empty")
         encoded.append(ids)
     return encoded
+
+
+def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Messages [{"role", "content"}] through the tokenizer's chat template, ending with the
+    prompt of the assistant's turn (what a chat model answers)."""
+    if tokenizer.chat_template is None:
+        raise PromptError("the tokenizer has no chat template; pass the prompt as plain text (chat=False)")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def bucket(n: int, minimum: int = 16) -> int:

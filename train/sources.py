@@ -23,8 +23,19 @@ class SourceError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Conversation:
     conversation_id: str  # ShareGPT splits long chats into records "<id>_<part>"; this is "<id>"
-    record_id: str
-    prompt: str  # the first user turn
+    record_id: str  # "<id>_<part>", and "#<turn>" after it for a later turn
+    prompt: str  # the user turn to answer
+    context: tuple[tuple[str, str], ...] = ()  # the (role, content) turns before it, user first
+
+    def messages(self) -> list[dict]:
+        """The chat up to the prompt, as chat-template messages."""
+        turns = self.context + (("user", self.prompt),)
+        return [{"role": role, "content": content} for role, content in turns]
+
+
+# ShareGPT speakers as chat roles; a record with any other speaker (system, bing, ...) gives no
+# later turn (its first turn still counts).
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
 
 
 def package_file(package: str, *parts: str, pip_name: str) -> str:
@@ -77,6 +88,24 @@ def sharegpt_first_turns(path: str | None = None) -> Iterator[Conversation]:
         if not prompt or not record_id:
             continue
         yield Conversation(conversation_id=record_id.rsplit("_", 1)[0], record_id=record_id, prompt=prompt)
+
+
+def sharegpt_later_turns(path: str | None = None) -> Iterator[Conversation]:
+    """Every user turn after the first of each ShareGPT record, with the record's earlier turns
+    (the original assistant answers) as its context: a record of n user turns gives n - 1.
+    Only records whose speakers alternate human / gpt from a human start, none of them empty."""
+    for record in iter_json_records(path or sharegpt_path()):
+        turns = record.get("conversations") or []
+        record_id = str(record.get("id", ""))
+        if not record_id:
+            continue
+        roles = [SHAREGPT_ROLES.get(t.get("from")) for t in turns]
+        texts = [(t.get("value") or "").strip() for t in turns]
+        if any(r != ("user" if i % 2 == 0 else "assistant") for i, r in enumerate(roles)) or not all(texts):
+            continue
+        for k in range(2, len(turns), 2):
+            yield Conversation(conversation_id=record_id.rsplit("_", 1)[0], record_id=f"{record_id}#{k // 2}",
+                               prompt=texts[k], context=tuple(zip(roles[:k], texts[:k])))
 
 
 def is_validation(conversation_id: str, val_fraction: float) -> bool:
