@@ -712,25 +712,32 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         i, st = carry[:2]
         return gate_drafts(st, sp, rounds - i, s=s, probes=probes, measured_only=measured_only)
 
-    def plain_while_shut(carry):
-        return jax.lax.while_loop(lambda c: going(c) & ~drafts(c), functools.partial(body, True), carry)
+    def plain_until_event(carry, defer=False):
+        # Plain rounds while the gate is closed, until it could open: plain rounds leave its
+        # confidences as they are and only shrink the rows' caps, so only a due probe or a row
+        # leaving can open it (the online ratio's slow drift back to 1 waits for one of those, or
+        # for the step's end). Those two scalar tests replace the gate itself (asked every round it
+        # cost ~3 % of a plain round at 4 rows on CPU). The gate was closed when asked, so the first
+        # round runs whatever the tests say, and a probe it may not run (max_length 0) is never due.
+        start = carry[0]
+        probe_at = jnp.where(sp.max_length > 0, probe_due_at(carry[1], sp), jnp.iinfo(jnp.int32).max)
+        rows_live = jnp.sum(~carry[1].done)
+
+        def closed(c):
+            st = c[1]
+            return going(c) & ((c[0] == start) | ((st.forwards < probe_at) & (jnp.sum(~st.done) == rows_live)))
+
+        return jax.lax.while_loop(closed, functools.partial(body, True, defer=defer), carry)
+
+    def plain_while_shut(carry):  # the gate asked once per event, not once per round
+        return jax.lax.while_loop(lambda c: going(c) & ~drafts(c), plain_until_event, carry)
 
     if mod is None or s.policy not in sched.TABLE_POLICIES:
         carry = jax.lax.while_loop(going, functools.partial(body, mod is None or s.policy == "none", defer=defer),
                                    carry)
     elif shut:
-        # Plain rounds until the gate could open: plain rounds leave its confidences as they are
-        # and only shrink the rows' caps, so only a due probe or a row leaving can open it. Those
-        # two scalar tests replace the gate itself (asked every round it cost ~3 % of a plain
-        # round at 4 rows on CPU); the step ends there and the engine asks the gate before the next.
-        probe_at = probe_due_at(state, sp)
-        rows_live = jnp.sum(~state.done)
-
-        def closed(c):
-            st = c[1]
-            return going(c) & (st.forwards < probe_at) & (jnp.sum(~st.done) == rows_live)
-
-        carry = jax.lax.while_loop(closed, functools.partial(body, True, defer=True), carry)
+        # The step ends at the first event; the engine asks the gate before the next.
+        carry = plain_until_event(carry, defer=True)
     else:
         # The dspark gate decides each round whether to draft at all. Its two kinds of round run
         # in two inner loops, plain rounds while the gate is closed and then one drafted round: a

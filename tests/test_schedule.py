@@ -846,3 +846,26 @@ def test_user_errors_name_the_problem(tiny):
     engine = Engine(target, drafter, slots=2, max_len=128)
     with pytest.raises(ValueError, match="max_length must be"):
         engine.step(engine.new_state(), max_length=4)
+
+
+def test_a_cap_of_zero_steps_plain_rounds_to_the_end(tiny):
+    """step(..., max_length=0) under dspark never drafts, probes included, and every step runs
+    rounds until the requests finish (a due probe it may not run must not stall the step): the
+    tokens are plain greedy decoding's."""
+    from dspark_jax import Engine, SamplingParams, generate
+
+    target, drafter, _ = tiny
+    prompts = _prompts(2, seed=5)
+    engine = Engine(target, drafter, slots=2, max_len=256, policy="dspark", sps_table=_table(2, 3, 0.3))
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=60, ignore_eos=True))
+                                                    for i, p in enumerate(prompts)])
+    tokens = [[], []]
+    for _ in range(15):  # 59 rounds are needed: whole steps of 4 (a stalled step ran none)
+        state, out = engine.step(state, rounds=4, max_length=0)
+        assert out.rounds == 4 or all(out.finished)
+        assert not any(np.any(z) for z in out.round_confidence_logits)  # nothing drafted
+        for i in range(2):
+            tokens[i] += out.tokens[i]
+        if all(out.finished):
+            break
+    assert tokens == generate(target, prompts, max_new_tokens=60, ignore_eos=True).token_ids
