@@ -21,6 +21,7 @@ class RequestResult:
     finish_reason: str
     round_accepted: list[int]  # accepted draft tokens per verification round (empty without a drafter)
     round_confidence_logits: np.ndarray  # [rounds, G] raw confidence logits of those rounds
+    round_lengths: list[int]  # draft tokens each of those rounds verified
 
 
 def run_requests(engine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
@@ -46,13 +47,14 @@ def run_requests(engine, prompts: Sequence[Sequence[int]], params: Sequence[Samp
             i = pending.pop()
             batch.append((slot, prompts[i], params[i]))
             owner[slot] = i
-            acc[slot] = RequestResult([], "", [], np.zeros((0, g), np.float32))
+            acc[slot] = RequestResult([], "", [], np.zeros((0, g), np.float32), [])
         state = engine.insert_many(state, batch)
         state, out = engine.step(state, rounds=rounds_per_step)
         for slot in list(owner):
             r = acc[slot]
             r.tokens.extend(out.tokens[slot])
             r.round_accepted.extend(out.round_accepted[slot])
+            r.round_lengths.extend(out.round_lengths[slot])
             r.round_confidence_logits = np.concatenate([r.round_confidence_logits, out.round_confidence_logits[slot]])
             if out.finished[slot]:
                 r.finish_reason = out.finish_reason[slot]

@@ -248,6 +248,11 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         gate_confidences=set_(state.gate_confidences,
                               sched.gate_prior(state.gate_confidences, state.gate_rounds, gate_start(s))),
         gate_rounds=set_(state.gate_rounds, 0),
+        # The lagged policy's history starts from the same prior: a reused slot held the zeros
+        # its freed row was given, which stopped the new request's first two drafted rounds.
+        lagged_confidences=set_(state.lagged_confidences, jnp.broadcast_to(
+            sched.gate_prior(state.gate_confidences, state.gate_rounds, gate_start(s))[None, None],
+            (n,) + state.lagged_confidences.shape[1:])),
         forwards=state.forwards + 1)
 
 
@@ -268,11 +273,16 @@ def length_caps(state: SlotState, block_size: int) -> jax.Array:
 def round_caps(state: SlotState, s: DecodeSettings, rounds_left: jax.Array) -> jax.Array:
     """[slots] length_caps, also cut so the step's attention span (s.kv_len) holds this round's
     verified positions and one position for each of the step's `rounds_left` - 1 later rounds:
-    the Engine may pick a span that plans for fewer drafts than G per round (Engine.span_for)."""
+    the Engine may pick a span that plans for fewer drafts than G per round (Engine.span_for).
+    A row whose whole remaining budget fits the span needs no cut: every position it can still
+    write lies below length + remaining (its cache grows with what it emits), and cutting it
+    for rounds it cannot run left the last rounds of a request in a tight span without drafts."""
     caps = length_caps(state, s.block_size)
     if s.kv_len is None:
         return caps
-    return jnp.clip(jnp.minimum(caps, s.kv_len - state.cache.lengths - rounds_left), 0, None).astype(jnp.int32)
+    room = s.kv_len - state.cache.lengths  # [slots]
+    fits = room >= state.budget - state.emitted
+    return jnp.where(fits, caps, jnp.clip(jnp.minimum(caps, room - rounds_left), 0, None)).astype(jnp.int32)
 
 
 def verify_widths(block_size: int) -> tuple[int, ...]:
@@ -652,8 +662,8 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
     `shut` (static; the dspark policies only): the gate is closed at the step's start
     (gate_at_start). The step then runs plain rounds in one flat loop until a probe is due or a
-    row leaves (the only events that can open the gate) and ends there; the engine asks the gate
-    before the next step. At high load, where the gate stays closed, such a step costs what plain
+    row leaves (what can open the gate, but for the online ratio's slow drift) and ends there;
+    the engine asks the gate before the next step. At high load, where the gate stays closed, such a step costs what plain
     decoding costs: the nested loops of a step that may draft cost ~5 ms more per step at 16 rows
     here (39 vs 42-46 ms per one-round step) even when it drafts nothing, and its drafter context
     upkeep is one `extend` at the end (ContextColumns).

@@ -716,21 +716,26 @@ def test_dspark_span_plans_for_plain_rounds_and_drafts_are_cut_to_it(tiny, tmp_p
     state = engine.insert_many(engine.new_state(), [(0, prompt, SamplingParams(max_new_tokens=60))])
     assert engine.span_for(state, 8, "dspark") == 256  # 230 + 8 plain rounds + one block of 3
     assert engine.span_for(state, 8, "fixed") == 512  # 230 + 8 rounds of 4 positions
-    # 247 + 8 tokens fit a span of 256, which leaves one draft token per round of 8: a flat table
-    # drafts all it may, so every round verifies what the span (or the budget) allows.
-    prompt, budget = (_prompts(1, seed=5)[0] * 40)[:247], 9
-    state = engine.insert_many(engine.new_state(), [(0, prompt, SamplingParams(max_new_tokens=budget))])
-    tokens, cut = [], 0
+    # 247 + 8 tokens fit a span of 256: a row that may run all 8 rounds of a step keeps one slot
+    # per later round, which leaves it one draft token (decode.round_caps); a row whose whole
+    # budget fits the span needs no room for rounds it cannot run and is not cut.
+    from dspark_jax import decode
+
+    prompt = (_prompts(1, seed=5)[0] * 40)[:247]
+    at_256 = dataclasses.replace(engine.settings, kv_len=256)
+    for budget, want in ((60, 1), (9, 3)):
+        state = engine.insert_many(engine.new_state(), [(0, prompt, SamplingParams(max_new_tokens=budget))])
+        assert int(decode.round_caps(state, at_256, np.int32(8))[0]) == want
+    # The 9-token request then runs in that span, every round verifying what its budget allows.
+    tokens = []
     while not bool(np.asarray(state.done)[0]):
         span, position, emitted = engine.span_for(state, 8), int(state.cache.lengths[0]), int(state.emitted[0])
+        assert span == 256
         state, out = engine.step(state, rounds=8)
         tokens += out.tokens[0]
-        for r, (length, accepted) in enumerate(zip(out.round_lengths[0], out.round_accepted[0])):
-            room = span - position - (8 - r)  # this round's positions and one per later round fit
-            assert length == max(0, min(3, budget - emitted - 1, room))
-            cut += room < min(3, budget - emitted - 1)
+        for length, accepted in zip(out.round_lengths[0], out.round_accepted[0]):
+            assert length == min(3, budget - emitted - 1) and position + length < span
             position, emitted = position + accepted + 1, emitted + accepted + 1
-    assert span == 256 and cut > 0
     assert tokens == generate(target, [prompt], max_new_tokens=budget).token_ids[0]
     # After a step that verified no draft (a steep table closes the gate), the plan is plain
     # rounds only: 248 + 8 fits 256, where another block of 3 would not. An array prices every
@@ -869,3 +874,78 @@ def test_a_cap_of_zero_steps_plain_rounds_to_the_end(tiny):
         if all(out.finished):
             break
     assert tokens == generate(target, prompts, max_new_tokens=60, ignore_eos=True).token_ids
+
+
+def test_a_request_that_fits_its_span_drafts_to_its_last_round(tiny):
+    """round_caps keeps room in the step's span for the step's later rounds only where the row
+    could run them: a request whose whole budget fits the span verifies every round as much as
+    its budget allows, even with 32 rounds a step and the cache filled to the last slot."""
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    prompt, g, max_len = _prompts(1, seed=2)[0][:10], 3, 128
+    budget = max_len - len(prompt) - (g + 1)  # the largest the engine accepts
+    engine = Engine(target, drafter, slots=1, max_len=max_len, policy="fixed", row_buckets=[1])
+    state = engine.insert(engine.new_state(), 0, prompt, SamplingParams(max_new_tokens=budget, ignore_eos=True))
+    short, emitted = [], 1
+    while True:
+        state, out = engine.step(state, rounds=32)
+        for length, accepted in zip(out.round_lengths[0], out.round_accepted[0]):
+            if length < min(g, budget - emitted - 1):
+                short.append((emitted, length))
+            emitted += accepted + 1
+        if out.finished[0]:
+            break
+    assert emitted == budget and not short  # was: the last 6 rounds verified nothing
+
+
+def test_a_reused_slot_starts_the_lagged_history_from_the_prior(tiny):
+    """dspark-lagged sizes its budget from confidences two rounds old: a request inserted into a
+    slot whose last request finished long ago starts from the same prior as in a fresh engine
+    (it held zeros, and the new request's first two rounds verified nothing)."""
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    flat = np.full(9, 1.0, np.float32)  # 2 slots, G = 3: every level pays
+    a, other, b = _prompts(3, seed=7)
+
+    def first_lengths(engine, state):
+        state = engine.insert(state, 0, b, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        lengths = []
+        for _ in range(4):
+            state, out = engine.step(state, rounds=1)
+            lengths += out.round_lengths[0]
+        return lengths
+
+    fresh = Engine(target, drafter, slots=2, max_len=128, policy="dspark-lagged", sps_table=flat, row_buckets=[2])
+    want = first_lengths(fresh, fresh.new_state())
+    assert want == [3, 3, 3, 3]
+    used = Engine(target, drafter, slots=2, max_len=128, policy="dspark-lagged", sps_table=flat, row_buckets=[2])
+    state = used.insert_many(used.new_state(), [(0, a, SamplingParams(max_new_tokens=3, ignore_eos=True)),
+                                                (1, other, SamplingParams(max_new_tokens=60, ignore_eos=True))])
+    while not bool(np.asarray(state.done)[0]):
+        state, _ = used.step(state, rounds=1)
+    for _ in range(3):  # slot 1 drafts on while slot 0 sits done
+        state, _ = used.step(state, rounds=1)
+    state = used.free(used.free(state, 0), 1)
+    assert first_lengths(used, state) == want
+
+
+def test_calibration_collects_only_rounds_that_verified_the_whole_block(tiny):
+    """train.calibrate fits survival labels on rounds that tested all G positions: a request's
+    last rounds, cut by its budget, tested nothing past their length and are left out."""
+    from dspark_jax import Engine, SamplingParams
+    from dspark_jax.batch import run_requests
+    from train.calibrate import collect
+
+    target, drafter, _ = tiny
+    engine = Engine(target, drafter, slots=2, max_len=128, policy="fixed")
+    prompts = _prompts(3, seed=3)
+    z, accepted, request = collect(engine, prompts, 0.0, 12, 0)
+    results = run_requests(engine, prompts, [SamplingParams(seed=i, max_new_tokens=12) for i in range(3)])
+    lengths = np.concatenate([r.round_lengths for r in results])
+    assert (lengths < 3).any() and (lengths == 3).any()  # budget-cut rounds exist
+    whole = lengths == 3
+    assert len(z) == whole.sum()
+    np.testing.assert_array_equal(accepted, np.concatenate([r.round_accepted for r in results])[whole])
+    np.testing.assert_array_equal(z, np.concatenate([r.round_confidence_logits for r in results])[whole])

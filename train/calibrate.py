@@ -52,7 +52,11 @@ class CalibrateConfig:
 
 def collect(engine, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int, seed: int,
             progress=None, waves: bool = False):
-    """(z [n, G], accepted [n], request id [n]) over every verification round of every prompt."""
+    """(z [n, G], accepted [n], request id [n]) over the verification rounds of every prompt that
+    verified the whole block. A round that verified l < G tokens (a request's last rounds, where
+    its budget caps the length) tested nothing past l: counting those positions as rejected
+    would bias the fit towards rejection, and which rounds are short depends on the budget, not
+    on their own outcome, so leaving them out biases nothing."""
     from dspark_jax.batch import run_requests
     from dspark_jax.sampling import SamplingParams
 
@@ -62,7 +66,8 @@ def collect(engine, prompts: Sequence[Sequence[int]], temperature: float, max_ne
     z = np.concatenate([r.round_confidence_logits for r in results])
     accepted = np.concatenate([np.asarray(r.round_accepted, np.int64) for r in results])
     request = np.concatenate([np.full(len(r.round_accepted), i) for i, r in enumerate(results)])
-    return z, accepted, request
+    whole = np.concatenate([np.asarray(r.round_lengths, np.int64) for r in results]) == engine.block_size
+    return z[whole], accepted[whole], request[whole]
 
 
 ROUNDS_FILE = "calibration-rounds.npz"

@@ -45,9 +45,10 @@ class DataConfig:
     """How many usable prompts to take, in file order (train and validation together). Raising it
     later extends the data: earlier full shards are kept, a partial last shard is redone."""
     turns: Literal["first", "later"] = "first"
-    """first: each record's first user turn (the packaged file has about 8.4k that fit 192 tokens);
-    later: every later user turn, after its record's earlier turns (about 50k in the file), for
-    more data than the first turns hold. Train on both with train.fit --extra-data."""
+    """first: each record's first user turn (the packaged file has 8413 that fit 192 tokens);
+    later: every later user turn, after its record's earlier turns (5091 of the file's 50k fit
+    192 tokens with at least their last pair), for more data than the first turns hold. Train
+    on both with train.fit --extra-data."""
     shard_size: int = 128
     val_fraction: float = 0.05
     max_prompt_tokens: int = 192
