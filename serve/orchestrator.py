@@ -118,10 +118,15 @@ class Orchestrator:
                 raise NotServing("the server is draining (shutting down)")
             if job.request_id in self._by_id:
                 raise InvalidRequest("request_id", f"{job.request_id!r} is already in flight")
-            if len(self._waiting) >= self.queue_size + len(self._free):
+            # The bound is on the requests in flight (slots + queue), counted under the lock: the
+            # free-slot list lags while the loop moves requests from the queue into slots (it
+            # counted a slot being freed once for its next request and once for a new one), and a
+            # request given up holds no place although it leaves the books only at the next pass.
+            live = sum(1 for j in self._by_id.values() if j.cancel is None)
+            if live >= self.engine.slots + self.queue_size:
                 self.metrics.rejected.labels(reason="queue_full").inc()
-                raise QueueFull(f"{len(self._waiting)} requests are waiting for a slot (queue size "
-                                f"{self.queue_size}); retry later")
+                raise QueueFull(f"{live} requests in flight fill the {self.engine.slots} slots and the queue of "
+                                f"{self.queue_size}; retry later")
             self._waiting.append(job)
             self._by_id[job.request_id] = job
             self.metrics.waiting.set(len(self._waiting))
@@ -218,7 +223,8 @@ class Orchestrator:
         if job.cancel == "abort":
             self._finish(job, "abort", [], now)
             return
-        reason = job.cancel or "deadline"
+        # gRPC cancels a call at its deadline, so an expired job usually carries "cancelled" too.
+        reason = "deadline" if self._expired(job, now) else job.cancel or "deadline"
         self._release(job)
         self.metrics.failed.labels(reason=reason).inc()
         job.events.put(Failure(reason, "deadline exceeded" if reason == "deadline" else "cancelled by the client"))
@@ -296,6 +302,8 @@ class Orchestrator:
     def _finish(self, job: Job, reason: str, ids: list[int], now: float) -> None:
         job.tokens.extend(ids)
         text = job.stream.take(final=True)
+        if job.stream.stopped is not None and reason in ("length", "eos"):
+            reason = "stop"  # the last token completed a stop string (found on the final flush)
         self._release(job)
         self.metrics.finished.labels(finished_reason=reason).inc()
         self.metrics.e2e.observe(now - job.arrival)

@@ -64,8 +64,10 @@ class TextStream:
         still incomplete when generation ended comes out as U+FFFD, as a full decode would)."""
         if final and self.stopped is None and self.read < len(self.ids):
             before = self._decode(self.ids[self.prefix:self.read])
+            start = len(self.text)
             self.text += self._decode(self.ids[self.prefix:])[len(before):]
             self.prefix = self.read = len(self.ids)
+            self._check_stops(start)  # the last token may complete a stop string before its U+FFFD
         end = len(self.text) if final or self.stopped is not None else max(self.sent, len(self.text) - self.hold)
         delta, self.sent = self.text[self.sent:end], end
         return delta

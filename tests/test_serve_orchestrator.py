@@ -52,9 +52,13 @@ class FakeEngine:
         return state
 
     def free(self, state, slot):
+        self.on_free()
         state.pop(slot, None)
         self.log.append(("free", slot))
         return state
+
+    def on_free(self):
+        """A test's hook, run as each free begins (to hold the loop there)."""
 
     def step(self, state, rounds=1):
         self.gate.wait(30)
@@ -150,6 +154,90 @@ def test_stop_string_deadline_drain_and_fault(orch):
     assert orch.drain(5)
     with pytest.raises(NotServing):
         orch.submit(job("after", 1, 0, 2))
+
+
+def test_the_bound_counts_requests_in_flight_while_slots_change_hands():
+    """Slots + queue bound the requests in flight at every moment: a request given up while
+    queued frees its place at once, and while the loop hands freed slots to queued requests (a
+    freed slot is back in the free list before the next request takes it) no extra one gets in."""
+    engine = FakeEngine(slots=2)
+    o = Orchestrator(engine, LetterTokenizer(), queue_size=2)
+    o.start()
+    try:
+        engine.gate.clear()
+        a, b = o.submit(job("a", 1, 0, 40)), o.submit(job("b", 2, 0, 40))
+        assert wait_until(lambda: len(o._running) == 2)
+        c, d = o.submit(job("c", 3, 0, 4)), o.submit(job("d", 4, 0, 4))
+        with pytest.raises(QueueFull):
+            o.submit(job("x", 5, 0, 4))
+        assert o.abort("c")  # still queued: its place is free before the loop's next pass
+        e = o.submit(job("e", 6, 0, 4))
+        # Hold the loop in the second of the frees of a and b: a's slot is back in the free list,
+        # promised to d, e being admitted with b's.
+        frees, holding, release = [], threading.Event(), threading.Event()
+
+        def hook():
+            frees.append(1)
+            if len(frees) == 2:
+                holding.set()
+                release.wait(10)
+
+        engine.on_free = hook
+        o.abort("a"), o.abort("b")
+        engine.gate.set()
+        assert holding.wait(10)
+        f, g = o.submit(job("f", 7, 0, 4)), o.submit(job("g", 8, 0, 4))  # d, e take the slots: 2 may wait
+        with pytest.raises(QueueFull):
+            o.submit(job("h", 9, 0, 4))
+        release.set()
+        assert [events(j)[-1].finish for j in (b, d, e, f, g)] == ["abort", "length", "length", "length", "length"]
+        assert events(a)[-1].finish == "abort" and events(c)[-1].finish == "abort"
+        assert wait_until(lambda: o.in_flight() == 0 and sorted(o._free) == [0, 1])
+    finally:
+        release.set()
+        o.stop()
+
+
+def test_a_deadline_is_counted_as_one_though_grpc_also_cancels_the_call(orch):
+    """gRPC cancels a call when its deadline passes; the request still ends as a deadline, in
+    its failure and in the metric."""
+    engine = orch.engine
+    engine.gate.clear()
+    running = [orch.submit(job(f"r{i}", 1, 0, 40)) for i in range(2)]
+    assert wait_until(lambda: len(orch._running) == 2)
+    late = orch.submit(job("late", 3, 0, 4), deadline=time.monotonic() + 0.05)
+    time.sleep(0.1)
+    orch.cancel(late)  # what the server's call callback does at the deadline
+    before = orch.metrics.failed.labels(reason="deadline")._value.get()
+    for r in running:
+        orch.abort(r.request_id)
+    engine.gate.set()
+    assert events(late)[-1].kind == "deadline"
+    assert orch.metrics.failed.labels(reason="deadline")._value.get() == before + 1
+
+
+class ByteTokenizer:
+    """Tokens below 300 are letters (as LetterTokenizer); 300 is a space and the first byte of
+    "é", whose text is incomplete until another token brings the second byte."""
+
+    chat_template = None
+
+    def decode(self, ids, **kwargs):
+        raw = b"".join(b" \xc3" if t == 300 else bytes([ord("a") + t % 26]) for t in ids)
+        return raw.decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_completed_by_the_last_token_before_a_partial_character():
+    """The request's last token completes the stop string "n " and ends in half a character:
+    the final flush still finds the stop (finish "stop", its text cut before it)."""
+    o = Orchestrator(FakeEngine(slots=1), ByteTokenizer(), queue_size=1)
+    o.start()
+    try:
+        j = o.submit(job("j", 1, 297, 3, stops=["n "]))  # tokens 298, 299, 300: "m", "n", " " + half of "é"
+        out = events(j)
+        assert out[-1].finish == "stop" and "".join(e.text for e in out) == "m"
+    finally:
+        o.stop()
 
 
 def test_engine_fault_fails_everything_and_reports():
