@@ -34,6 +34,8 @@ def run_requests(engine, prompts: Sequence[Sequence[int]], params: Sequence[Samp
     costs a compile of seconds, that is the cheaper trade (warm the engine up for it first)."""
     if len(prompts) != len(params):
         raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    for i, (ids, p) in enumerate(zip(prompts, params)):  # every request before any runs, named by its index
+        engine.check_request(ids, p, i)
     g = engine.block_size
     results: list = [None] * len(prompts)
     pending = list(range(len(prompts)))[::-1]  # pop() takes them in order

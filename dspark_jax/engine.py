@@ -468,6 +468,9 @@ class Engine:
         loading likewise), and without this each first use of a prompt bucket, row bucket, span or
         width (a rare probe at high load) stalls every live request that long. Returns the
         seconds it took."""
+        if isinstance(rounds, (int, np.integer)) or not all(
+                isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 1 for r in rounds):
+            raise ValueError(f"rounds must be a sequence of integers >= 1, got {rounds!r}")
         start = time.perf_counter()
         self.new_state()
         state = self._state_shape()
@@ -544,9 +547,14 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def _check_request(self, slot, ids, params: SamplingParams, index: int) -> list[int]:
-        cfg = self.settings.config
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
             raise SlotError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
+        return self.check_request(ids, params, index)
+
+    def check_request(self, ids, params: SamplingParams, index: int = 0) -> list[int]:
+        """The prompt's token ids as ints if this engine can take the request; else a PromptError
+        (or TypeError) naming prompt `index`. Callers with many requests check them all first."""
+        cfg = self.settings.config
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a dspark_jax.SamplingParams, got {type(params).__name__}")
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)) or not all(

@@ -95,12 +95,14 @@ def generate(
     if isinstance(drafter, str):
         from dspark_jax.drafters import load_drafter
 
-        drafter = load_drafter(drafter, target)
+        if drafter not in target.drafters:  # a new Drafter object per call missed the engine cache
+            target.drafters[drafter] = load_drafter(drafter, target)
+        drafter = target.drafters[drafter]
     params = SamplingParams(temperature=float(temperature), top_k=top_k, top_p=top_p, seed=int(seed),
                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     ids = encode_prompts(target.tokenizer, prompts, chat)
     g = 0 if drafter is None else (block_size or drafter.config.block_size)
-    extra = g + 1 if drafter is not None else 0
+    extra = g + 1 if drafter is not None and policy != "none" else 0  # plain decoding drafts nothing
     check_prompts(ids, target.config, max_new_tokens, extra)
     max_len = min(bucket(max(len(r) for r in ids) + max_new_tokens + extra, minimum=128),
                   target.config.max_position_embeddings)

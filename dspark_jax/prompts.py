@@ -28,7 +28,7 @@ def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
                 ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
             else:
                 ids = tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
+        elif isinstance(prompt, (Sequence, np.ndarray)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = prompt
         else:
             raise PromptError(f"prompt {i} is neither a string nor a list of token ids")
@@ -61,7 +61,7 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 def check_prompts(ids: list[list[int]], config: ModelConfig, max_new_tokens: int, extra_slots: int = 0) -> None:
     """Every row fits the model's context with its budget, and every id is in the vocabulary."""
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     limit = config.max_position_embeddings
     for i, row in enumerate(ids):

@@ -39,7 +39,7 @@ def argmax_last(x: jax.Array) -> jax.Array:
 class SamplingParams:
     """How one request is decoded: sampling filters, its random seed, its token budget."""
 
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 means greedy; values in (0, MIN_TEMPERATURE) sample at MIN_TEMPERATURE
     top_k: int | None = None  # keep the k most likely tokens (None: all)
     top_p: float | None = None  # keep the smallest prefix of mass >= top_p (None: all)
     seed: int = 0  # the request's random stream depends only on this and the token position
@@ -47,21 +47,34 @@ class SamplingParams:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, (int, np.integer)) or self.top_k < 1):
+        if self.top_k is not None and (not _is_integer(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
-        if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0):
+        if self.top_p is not None and (not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        if not isinstance(self.max_new_tokens, (int, np.integer)) or self.max_new_tokens < 1:
+        if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**63:
+        if not _is_integer(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        # numpy scalars in, Python numbers out; a top_k past int32 keeps every token, as any k >= V does
+        normal = dict(temperature=float(self.temperature), max_new_tokens=int(self.max_new_tokens), seed=int(self.seed),
+                      top_k=None if self.top_k is None else min(int(self.top_k), 2**31 - 1),
+                      top_p=None if self.top_p is None else float(self.top_p))
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+    return _is_integer(x) or isinstance(x, (float, np.floating))
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +108,12 @@ def row_keys(base_keys: jax.Array, positions: jax.Array, purpose: int) -> jax.Ar
     return jax.vmap(fold)(base_keys, positions.astype(jnp.uint32))
 
 
+# The smallest temperature a row samples at: a smaller one (1e-40 passes validation) overflowed
+# logits / T to inf in float32 and made the distribution NaN. At 1e-6 it is already one-hot unless
+# the two best logits are within about 1e-4 of each other.
+MIN_TEMPERATURE = 1e-6
+
+
 def _filter_rows(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Top-k then top-p exclusions (-inf) per row on temperature-scaled logits [b, V].
 
@@ -122,7 +141,7 @@ def filtered_logits(logits: jax.Array, rs: RowSampling) -> jax.Array:
     """Temperature-scaled float32 logits [b, V] with each row's top-k / top-p exclusions at -inf
     (greedy rows are scaled by 1: callers treat them as one-hot). The sort behind the filters
     runs only when some row asks for a filter."""
-    temperature = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
+    temperature = jnp.where(rs.temperature > 0, jnp.maximum(rs.temperature, MIN_TEMPERATURE), 1.0)
     scaled = logits.astype(jnp.float32) / temperature[:, None]
     wants = jnp.any((rs.top_k > 0) | (rs.top_p < 1.0))
     return jax.lax.cond(wants, _filter_rows, lambda x, k, p: x, scaled, rs.top_k, rs.top_p)

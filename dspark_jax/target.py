@@ -34,6 +34,8 @@ class Target:
     mesh: Any = None
     # Engines made by `generate` for this target, by shape: repeated calls reuse their programs.
     engines: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    # Drafters `generate` loaded by name for this target: a name loads once, so its engine is reused.
+    drafters: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _as_dtype(dtype) -> Any:

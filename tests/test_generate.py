@@ -130,6 +130,19 @@ def test_filtered_probs_per_row_against_numpy():
         np.testing.assert_allclose(probs, _numpy_filtered(row.astype(np.float64), t, k, p), atol=1e-6)
 
 
+def test_a_tiny_positive_temperature_samples_the_best_token():
+    """A temperature that passes validation but overflows logits / T in float32 (1e-40) samples
+    at MIN_TEMPERATURE: finite probabilities, the argmax drawn (it gave NaN and token 0)."""
+    from dspark_jax.sampling import sample_tokens
+
+    logits = jnp.asarray([[1.0, 2.0, 0.5], [0.3, -1.0, 0.2]])
+    rs = RowSampling.from_params([SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-40, top_p=0.9)])
+    probs = np.asarray(filtered_probs(logits, rs))
+    np.testing.assert_array_equal(probs, np.eye(3, dtype=np.float32)[[1, 0]])
+    keys = jax.random.split(jax.random.PRNGKey(0), 2)
+    assert np.asarray(sample_tokens(logits, keys, rs)).tolist() == [1, 0]
+
+
 def test_user_errors(tiny, tmp_path):
     target, _ = tiny
     with pytest.raises(ModelNotFoundError, match="unknown model name 'no-such-model'"):
@@ -177,3 +190,42 @@ def test_cli_compares_speculative_with_plain(tiny_chat_dir, capsys):
                  "--compare-plain", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert '"policy": "fixed"' in out and "--- speed: plain" in out and "x (best of 1" in out
+
+
+def test_host_api_edges_a_user_can_hit(tiny):
+    """From a review of the host API: a drafter named in generate loads once (its engine and
+    programs are reused, not rebuilt per call); plain decoding over a drafter reserves no draft
+    positions; run_requests checks every request before any runs and names it by its index;
+    numpy scalars and rows are taken as numbers and ids; warmup refuses rounds < 1."""
+    from dspark_jax import Engine, init_drafter
+    from dspark_jax.batch import run_requests
+
+    target, _ = tiny
+    prompts = _prompts(2, seed=9)
+    first = generate(target, prompts, max_new_tokens=6, drafter="ngram")
+    engines = len(target.engines)
+    again = generate(target, prompts, max_new_tokens=6, drafter="ngram")
+    assert len(target.engines) == engines and again.stats["compile_seconds"] == 0.0
+    assert again.token_ids == first.token_ids
+
+    drafter = init_drafter(target, "dspark", seed=1, block_size=3)
+    long = [list(range(3, 90)) * 3][0][:250]  # 250 + 6 = the context (256): no room for a block
+    plain = generate(target, [long], max_new_tokens=6)
+    assert generate(target, [long], max_new_tokens=6, drafter=drafter, policy="none").token_ids == plain.token_ids
+
+    engine = Engine(target, None, slots=2, max_len=128)
+    rows = _prompts(5, seed=2)
+    rows[3] = rows[3] + [999]
+    with pytest.raises(PromptError, match="prompt 3 .*outside the vocabulary"):
+        run_requests(engine, rows, [SamplingParams(max_new_tokens=4)] * 5)
+    with pytest.raises(ValueError, match="rounds must be"):
+        engine.warmup(rounds=(0,))
+
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(2**40), top_p=np.float32(0.9),
+                            max_new_tokens=np.int64(4), seed=np.uint32(3))
+    assert (type(params.temperature), params.top_k, type(params.max_new_tokens)) == (float, 2**31 - 1, int)
+    RowSampling.from_params([params])  # a top_k past int32 no longer overflows
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=True)
+    out = generate(target, [np.asarray(prompts[0])], max_new_tokens=np.int64(4))
+    assert out.token_ids == generate(target, [prompts[0]], max_new_tokens=4).token_ids
