@@ -949,3 +949,28 @@ def test_calibration_collects_only_rounds_that_verified_the_whole_block(tiny):
     assert len(z) == whole.sum()
     np.testing.assert_array_equal(accepted, np.concatenate([r.round_accepted for r in results])[whole])
     np.testing.assert_array_equal(z, np.concatenate([r.round_confidence_logits for r in results])[whole])
+
+
+def test_evaluation_tau_counts_whole_blocks_and_tested_positions(tiny):
+    """train.evaluate's tau is over rounds that verified all G drafts and its acceptance per
+    position over positions verification tested: a budget-cut round (fewer drafts verified)
+    neither lowers tau nor counts untested positions as rejected. Checked against plain loops."""
+    import types
+
+    from dspark_jax import Engine, SamplingParams
+    from dspark_jax.batch import run_requests
+    from train.evaluate import acceptance
+
+    target, drafter, _ = tiny
+    engine = Engine(target, drafter, slots=2, max_len=128, policy="fixed")
+    prompts = _prompts(3, seed=8)
+    got = acceptance(engine, prompts, 0.0, types.SimpleNamespace(seed=0, max_new_tokens=10))
+    results = run_requests(engine, prompts, [SamplingParams(seed=i, max_new_tokens=10) for i in range(3)])
+    rounds = [(l, a) for r in results for l, a in zip(r.round_lengths, r.round_accepted)]
+    assert any(l < 3 for l, _ in rounds)
+    whole = [a + 1 for l, a in rounds if l == 3]
+    assert got["rounds"] == len(whole) and got["tau"] == pytest.approx(sum(whole) / len(whole))
+    for k in range(3):  # position k + 1: tested when k drafts were accepted and the length exceeds k
+        tested = [a for l, a in rounds if a >= k and l > k]
+        want = sum(a > k for a in tested) / max(len(tested), 1)
+        assert got["acceptance_per_position"][k] == pytest.approx(want)

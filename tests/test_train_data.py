@@ -188,3 +188,27 @@ def test_later_turn_data_is_made_and_a_folder_keeps_its_turns(tiny_chat_dir, tmp
     data.check_meta(first)
     with pytest.raises(SystemExit, match="turns"):
         data.check_meta(dataclasses.replace(first, turns="later"))
+
+
+def test_an_interrupted_first_run_keeps_its_settings(tiny_chat_dir, tmp_path, monkeypatch):
+    """The folder records its generation settings before the first shard: a first run stopped
+    part-way is resumed only with the same settings (it took any, and its meta.json then named
+    the second run's settings for the first run's shards)."""
+    cfg = data.DataConfig(out=str(tmp_path / "out"), model=tiny_chat_dir,
+                          sharegpt=_sharegpt_file(tmp_path / "sg.json", 6, truncate=False), conversations=10,
+                          shard_size=3, val_fraction=0.3, max_prompt_tokens=64, max_new_tokens=6, slots=4,
+                          rounds_per_step=4, vocab_sizes=(50,))
+    real = data.write_shard
+
+    def first_shard_only(path, *args):
+        if data.shard_paths(cfg.out, "train") + data.shard_paths(cfg.out, "validation"):
+            raise KeyboardInterrupt  # the process is stopped after its first shard
+        real(path, *args)
+
+    monkeypatch.setattr(data, "write_shard", first_shard_only)
+    with pytest.raises(KeyboardInterrupt):
+        data.run(cfg)
+    monkeypatch.setattr(data, "write_shard", real)
+    with pytest.raises(SystemExit, match="temperature"):
+        data.run(dataclasses.replace(cfg, temperature=1.0))
+    assert data.run(cfg)["sequences"]["train"] + data.run(cfg)["sequences"]["validation"] == 10

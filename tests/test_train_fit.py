@@ -77,13 +77,25 @@ def test_other_drafters_train_and_export(tiny_train_data, tmp_path, kind):
     _check_run(out, fit.run(_cfg(tiny_train_data, out, drafter=kind, save_every=100)), kind, 4)
 
 
-def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_path, dspark_run):
+def test_interrupted_run_resumes_to_the_same_parameters(tiny_train_data, tmp_path, dspark_run, monkeypatch):
+    from train import data as data_lib
+
     whole, whole_out = dspark_run
     # The first half validates at every step, the whole run every other one: evaluating must
     # not change training, and the same step's validation terms must be the same numbers.
     cfg = _cfg(tiny_train_data, tmp_path / "split", stop_after=2, eval_every=1)
     first = fit.run(cfg)
     assert first["step"] == 2 and "drafter" not in first
+    # A run killed after logging step 3 but before its next checkpoint: the resumed run logs
+    # step 3 again, and the log keeps one row per step.
+    with open(tmp_path / "split" / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
+    # The data changed under the checkpoint (a rebuilt draft vocabulary): refused, not resumed.
+    real = data_lib.load_draft_vocab
+    monkeypatch.setattr(data_lib, "load_draft_vocab", lambda *a: real(*a)[::-1].copy())
+    with pytest.raises(SystemExit, match="data changed"):
+        fit.run(_cfg(tiny_train_data, tmp_path / "split", eval_every=2))
+    monkeypatch.setattr(data_lib, "load_draft_vocab", real)
     second = fit.run(_cfg(tiny_train_data, tmp_path / "split", eval_every=2))
     assert second["step"] == 4
     a, b = _exported(whole["drafter"]), _exported(second["drafter"])
@@ -315,6 +327,18 @@ def test_fixed_row_batches_give_the_same_features_and_train_shards_limits_the_pa
     with pytest.raises(SystemExit, match="--part"):
         features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), parts=2, part=2))
 
+    # A shard rewritten with other rows (train.data redoes a partial last shard when a folder is
+    # extended) has stale features: not done, and the next pass makes them again.
+    shard = data_lib.shard_paths(copy, "train")[-1]
+    kept = data_lib.read_shard(shard)[:-1]
+    data_lib.write_shard(shard, [r["tokens"] for r in kept], [r["prompt_len"] for r in kept],
+                         [r["conversation_id"] for r in kept], [r["finish_reason"] for r in kept])
+    assert not features_lib.shard_done(copy, (0, 1), "train", shard)
+    features_lib.run(features_lib.FeaturesConfig(data=copy, layers=(0, 1), splits=("train",)))
+    assert features_lib.shard_done(copy, (0, 1), "train", shard)
+    np.testing.assert_array_equal(np.load(features_lib.feature_path(copy, (0, 1), "train", shard)),
+                                  features_lib.shard_features(target, kept, (0, 1), batch_tokens=1024))
+
 
 def test_train_shards_limits_the_rows_and_names_the_run(tiny_train_data):
     """--train-shards K reads the split's first K shards only (their rows, in order), and a run
@@ -359,6 +383,20 @@ def test_extra_data_joins_the_train_rows_and_names_the_run(tiny_train_data):
     base = _cfg(tiny_train_data, "unused")
     assert "extra_data" not in fit._config_key(base)
     assert fit._config_key(dataclasses.replace(base, extra_data=("other",)))["extra_data"] == ["other"]
+
+
+def test_extra_data_with_another_split_is_refused(tiny_train_data, tmp_path):
+    """An extra folder split with another val_fraction would train on --data's validation
+    conversations: refused by name before training."""
+    import shutil
+
+    copy = tmp_path / "extra"
+    shutil.copytree(tiny_train_data, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["generation"]["val_fraction"] = 0.05
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match="val_fraction"):
+        fit.run(_cfg(tiny_train_data, tmp_path / "run", extra_data=(str(copy),)))
 
 
 def test_fine_tune_trains_only_the_named_groups_from_a_drafter(tiny_train_data, tmp_path, dspark_run):

@@ -227,13 +227,18 @@ def load_draft_vocab(out: str, size: int) -> np.ndarray:
         return z["ids"].astype(np.int32)
 
 
-def data_model(data_dir: str) -> str:
-    """The model a data folder was generated with (its meta.json)."""
+def data_generation(data_dir: str) -> dict:
+    """The generation settings of a data folder (its meta.json)."""
     path = os.path.join(data_dir, META)
     if not os.path.isfile(path):
         raise SystemExit(f"{data_dir}: no {META} (make the data first: python -m train.data --out {data_dir})")
     with open(path) as f:
-        return json.load(f)["generation"]["model"]
+        return json.load(f)["generation"]
+
+
+def data_model(data_dir: str) -> str:
+    """The model a data folder was generated with."""
+    return data_generation(data_dir)["model"]
 
 
 def data_target(data_dir: str, model: str | None = None):
@@ -269,6 +274,10 @@ def run(cfg: DataConfig) -> dict:
 
     check_meta(cfg)
     os.makedirs(cfg.out, exist_ok=True)
+    meta_path = os.path.join(cfg.out, META)
+    if not os.path.isfile(meta_path):  # the settings first, so a run stopped early is resumed only with them
+        with open(meta_path, "w") as f:
+            json.dump({"generation": cfg.generation_key()}, f, indent=2)
     target = load_target(cfg.model, dtype=cfg.dtype)
     began = time.perf_counter()
     turns = {"first": sharegpt_first_turns, "later": sharegpt_later_turns}[cfg.turns]

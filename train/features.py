@@ -79,10 +79,22 @@ def lse_path(data: str, layers: Sequence[int], split: str, shard: str) -> str:
     return feature_path(data, layers, split, shard).replace(".npy", ".lse.npy")
 
 
+def shard_tokens(shard: str) -> int:
+    """Tokens in a train.data shard (its feature files have one row each)."""
+    with np.load(shard) as z:
+        return int(z["offsets"][-1])
+
+
+def _rows(path: str) -> int:
+    return np.load(path, mmap_mode="r").shape[0] if os.path.isfile(path) else -1
+
+
 def shard_done(data: str, layers: Sequence[int], split: str, shard: str) -> bool:
-    """Whether a shard's features and teacher logsumexp are both on disk (a finished shard)."""
-    return (os.path.isfile(feature_path(data, layers, split, shard))
-            and os.path.isfile(lse_path(data, layers, split, shard)))
+    """Whether a shard's features and teacher logsumexp are both on disk, one row per token of
+    the shard as it is now (train.data redoes a partial last shard when a folder is extended:
+    the old files are stale then)."""
+    n = shard_tokens(shard)
+    return _rows(feature_path(data, layers, split, shard)) == n and _rows(lse_path(data, layers, split, shard)) == n
 
 
 def to_bf16_bits(x) -> np.ndarray:
@@ -211,14 +223,17 @@ def run(cfg: FeaturesConfig) -> dict:
             raise SystemExit(f"--first-shard {cfg.first_shard}: {cfg.data}/train has {len(paths)} shards")
         return paths[cfg.first_shard:][:cfg.train_shards]
 
-    todo = [(split, shard) for split in cfg.splits for shard in shards(split)
-            if not shard_done(cfg.data, cfg.layers, split, shard)][cfg.part::cfg.parts]
+    # Parts split the whole list, then skip what is done: splitting what was left when each part
+    # started gave parts started at different times overlapping lists, and some shards to none.
+    todo = [(split, shard) for split, shard in [(split, shard) for split in cfg.splits
+                                                for shard in shards(split)][cfg.part::cfg.parts]
+            if not shard_done(cfg.data, cfg.layers, split, shard)]
     import time
 
     start, tokens = time.perf_counter(), 0
     for split, shard in tqdm(todo, desc="target features", unit="shard"):
         path = feature_path(cfg.data, cfg.layers, split, shard)
-        if os.path.isfile(path):
+        if _rows(path) == shard_tokens(shard):  # made by a run stopped before its log-normalisers
             feats = np.load(path, mmap_mode="r")
         else:
             feats = shard_features(target, data_lib.read_shard(shard), cfg.layers, cfg.batch_tokens, cfg.fixed_rows)

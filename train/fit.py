@@ -19,6 +19,7 @@ runs after `jax.distributed.initialize()` (`--distributed`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -458,9 +459,13 @@ def run(cfg: FitConfig) -> dict:
     init = load_init(cfg, tcfg)
     train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards, cfg.first_shard)
     for folder in cfg.extra_data:
-        if data_lib.data_model(folder) != data_lib.data_model(cfg.data):
-            raise SystemExit(f"--extra-data {folder} was generated with {data_lib.data_model(folder)}, "
-                             f"--data {cfg.data} with {data_lib.data_model(cfg.data)}")
+        # Same target, and the same split by conversation: with another val_fraction the extra
+        # folder's train split holds conversations of --data's validation split.
+        for key in ("model", "val_fraction"):
+            mine, theirs = data_lib.data_generation(cfg.data).get(key), data_lib.data_generation(folder).get(key)
+            if mine != theirs:
+                raise SystemExit(f"--extra-data {folder} was generated with {key} {theirs}, --data {cfg.data} "
+                                 f"with {mine}")
         train_data.add(SequenceData(folder, cfg.feature_layers, "train", cfg.seq_len))
     devices_on_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % devices_on_batch:
@@ -493,6 +498,11 @@ def run(cfg: FitConfig) -> dict:
     manager = ocp.CheckpointManager(os.path.abspath(os.path.join(cfg.out, "checkpoints")),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True))
     start = 0
+    # What the checkpoint's arrays mean besides the settings: the rows the batches index and the
+    # frozen arrays kept out of it (the draft vocabulary: train.data rebuilds it when a folder is
+    # extended, and a resumed head would then map its columns to other token ids).
+    frozen_bytes = b"".join(np.ascontiguousarray(a).tobytes() for a in jax.tree.leaves(jax.device_get(frozen)))
+    data_key = {"train_rows": len(train_data), "frozen_sha256": hashlib.sha256(frozen_bytes).hexdigest()}
     if manager.latest_step() is not None:
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, state_shardings)
         restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
@@ -500,11 +510,16 @@ def run(cfg: FitConfig) -> dict:
         state, start = restored["state"], int(restored["meta"]["step"])
         if restored["meta"].get("config_key") != _config_key(cfg):
             raise SystemExit(f"{cfg.out} holds a run with other settings; use another --out")
+        saved = restored["meta"].get("data")  # absent in checkpoints from before 2026-12-07
+        if saved is not None and saved != data_key:
+            raise SystemExit(f"{cfg.out}: the data changed since this run's checkpoint ({saved} then, {data_key} now: "
+                             f"a folder extended or its draft vocabulary rebuilt); use another --out")
 
     def save(step: int) -> None:
         if manager.latest_step() == step:
             return  # the periodic save already wrote it
-        meta = {"step": step, "data_position": step * cfg.batch_size, "seed": cfg.seed, "config_key": _config_key(cfg)}
+        meta = {"step": step, "data_position": step * cfg.batch_size, "seed": cfg.seed, "config_key": _config_key(cfg),
+                "data": data_key}
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                      force=True)
 
@@ -515,6 +530,10 @@ def run(cfg: FitConfig) -> dict:
             json.dump({"init_from": cfg.init_from, **validate(state["params"])}, f, indent=1)
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     log_path = os.path.join(cfg.out, "log.jsonl")
+    if os.path.isfile(log_path):  # rows past the checkpoint were logged by the run that was stopped: run again
+        kept = [row for row in read_log(log_path) if row.get("step", 0) <= start]
+        with open(log_path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0 = time.perf_counter()
     with open(log_path, "a") as log, tqdm(total=cfg.steps, initial=start, desc=f"fit {cfg.drafter}", unit="step") as bar:
@@ -563,7 +582,7 @@ def _config_key(cfg: FitConfig) -> dict:
     key = {k: getattr(cfg, k) for k in keys}
     # Only when set, so runs saved before these fields existed still resume.
     for name, unset in (("train_shards", None), ("first_shard", 0), ("init_from", None), ("train_only", ()),
-                        ("extra_data", ())):
+                        ("extra_data", ()), ("model", None)):
         if getattr(cfg, name) != unset:
             key[name] = getattr(cfg, name)
     return json.loads(json.dumps(key))
