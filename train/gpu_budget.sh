@@ -9,9 +9,11 @@
 #      kept, only new conversations are generated), in data/smollm2-135m-gpu, while FEATURE_PROCS
 #      processes compute the target features of the kept shards beside it;
 #   2. the features of everything else (train.features --parts: the pass is host-bound, so
-#      several processes share the one device), validation first;
-#   3. DSpark, DFlash and EAGLE-3 trained side by side (three train.fit processes on the one device)
-#      for the same number of steps S, the most that fits the time left at the measured step rate
+#      several processes share the one device), validation first, then those of the train split
+#      of EXTRA (the committed later-turn data, train.data --turns later) while time is left;
+#   3. DSpark, DFlash and EAGLE-3 trained side by side (three train.fit processes on the one device),
+#      on EXTRA's train split too (--extra-data) when all its features were made, for the same
+#      number of steps S, the most that fits the time left at the measured step rate
 #      (STEP_SECONDS, or benchmarks/bench_train.py run during stage 1), at most MAX_EPOCHS (12)
 #      passes over the train split: the second budget's validation losses turned up after 13;
 #   4. STS calibration of the DSpark drafter on the validation split (train.calibrate --waves).
@@ -27,7 +29,8 @@
 # steps from s, the seconds of one step of each drafter together when the three share the device
 # (H200, 16 x 384: 0.027-0.031); MARGIN (1.2) divides the steps for safety; MIN_STEPS / MAX_STEPS
 # bound them; CALIBRATE_SECONDS (100) is kept for stage 4 and CALIBRATE_PROMPTS (512) bounds it;
-# FEATURES_ON_DISK=1 keeps features off /dev/shm. The H200 runs and what each stage cost:
+# FEATURES_ON_DISK=1 keeps features off /dev/shm; EXTRA (data/smollm2-135m-later; empty: none) is the
+# extra train.data folder. The H200 runs and what each stage cost:
 # train/results/2026-12-04-gpu-budget/README.md and train/results/2026-12-04-gpu-budget-2/README.md.
 set -u
 OUT=${1:?usage: bash train/gpu_budget.sh OUT_DIR [SECONDS]}
@@ -35,6 +38,8 @@ BUDGET=${2:-570}
 PY=${PYTHON:-python3}
 SRC=${SRC:-data/smollm2-135m}
 DATA=${DATA:-data/smollm2-135m-gpu}
+EXTRA=${EXTRA-data/smollm2-135m-later}
+[ -n "$EXTRA" ] && [ ! -f "$EXTRA/meta.json" ] && EXTRA=""
 RUNS=${RUNS:-runs/gpu}
 CONVERSATIONS=${CONVERSATIONS:-8413}  # every usable record of the packaged ShareGPT file (192-token prompts)
 SLOTS=${SLOTS:-512}
@@ -66,7 +71,7 @@ features() {  # features ARGS...: FEATURE_PROCS processes splitting the shards t
   PIDS=""
   for i in $(seq 0 $((FEATURE_PROCS - 1))); do
     JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="$GEN_XLA_FLAGS" timeout "$(until_ "$FEATURES_END")" \
-      $PY -m train.features --data "$DATA" --batch-tokens 8192 --fixed-rows --parts "$FEATURE_PROCS" --part "$i" "$@" \
+      $PY -m train.features --data "${FEATURE_DATA:-$DATA}" --batch-tokens 8192 --fixed-rows --parts "$FEATURE_PROCS" --part "$i" "$@" \
       >> "logs/features-$i.log" 2>&1 &
     PIDS="$PIDS $!"
   done
@@ -83,6 +88,8 @@ $PY -c "from dspark_jax import load_target; t = load_target('smollm2-135m'); pri
 if [ -z "${FEATURES_ON_DISK:-}" ] && [ ! -e "$DATA/features" ] && \
    [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt $((40 * 1024 * 1024)) ] 2>/dev/null; then
   mkdir -p /dev/shm/dspark-features && ln -s /dev/shm/dspark-features "$DATA/features" && log "features in /dev/shm"
+  [ -n "$EXTRA" ] && [ ! -e "$EXTRA/features" ] && mkdir -p /dev/shm/dspark-features-extra && \
+    ln -s /dev/shm/dspark-features-extra "$EXTRA/features"
 fi
 
 # 1. data, with the drafter-step benchmark beside it (its step times, taken with the generation
@@ -128,6 +135,22 @@ log "features: $SHARDS of $TOTAL train shards"
 [ "${SHARDS:-0}" -gt 0 ] || { log "no features: stopping"; pack_results; exit 1; }
 SHARD_FLAG=""
 [ "$SHARDS" -lt "$TOTAL" ] && SHARD_FLAG="--train-shards $SHARDS"
+# The extra folder only when every --data shard has its features and time is left before FEATURES_END:
+# the trainer reads all of an extra folder's train shards.
+EXTRA_FLAG=""
+EXTRA_ROWS=0
+if [ -n "$EXTRA" ] && [ -z "$SHARD_FLAG" ] && [ "$(until_ "$FEATURES_END")" -gt 5 ]; then
+  log "features: $EXTRA"
+  FEATURE_DATA="$EXTRA" features --splits train
+  wait $PIDS
+  if $PY -c "
+from train import data as d, features as f
+raise SystemExit(not all(f.shard_done('$EXTRA', f.FeaturesConfig.layers, 'train', p) for p in d.shard_paths('$EXTRA', 'train')))"; then
+    EXTRA_FLAG="--extra-data $EXTRA"
+    EXTRA_ROWS=$($PY -c "from train import data as d; print(sum(d.shard_rows(p) for p in d.shard_paths('$EXTRA', 'train')))")
+  fi
+  log "features: extra data ${EXTRA_FLAG:-not used (unfinished)}, $EXTRA_ROWS rows"
+fi
 
 # 3. the three drafters, same steps each.
 [ -n "$BENCH" ] && { kill $BENCH 2>/dev/null; wait $BENCH 2>/dev/null; }
@@ -136,7 +159,7 @@ import json
 finish, compile_s, margin = $BUDGET - 40 - ${CALIBRATE_SECONDS:-100}, 35, ${MARGIN:-1.2}
 avail = finish - $SECONDS - compile_s
 # At most MAX_EPOCHS passes over the rows trained on (16 a step: the configs' batch).
-rows = $SHARDS * 128 if '$SHARD_FLAG' else json.load(open('$DATA/meta.json'))['sequences']['train']
+rows = ($SHARDS * 128 if '$SHARD_FLAG' else json.load(open('$DATA/meta.json'))['sequences']['train']) + $EXTRA_ROWS
 epochs_cap = int(${MAX_EPOCHS:-12} * rows / 16)
 try:
     per_round = float('${STEP_SECONDS:-}') if '${STEP_SECONDS:-}' else sum(
@@ -148,7 +171,7 @@ WARMUP=$((STEPS / 20))
 log "fit: $STEPS steps each (warmup $WARMUP), $(left) s left"
 for kind in dspark dflash eagle3; do
   $PY -m train.fit --config train/configs/$kind.py --data "$DATA" --out $RUNS/$kind --steps "$STEPS" \
-    --warmup-steps "$WARMUP" --eval-every $((STEPS / 10)) --save-every "$STEPS" $SHARD_FLAG $FIT_EXTRA \
+    --warmup-steps "$WARMUP" --eval-every $((STEPS / 10)) --save-every "$STEPS" $SHARD_FLAG $EXTRA_FLAG $FIT_EXTRA \
     > logs/fit-$kind.log 2>&1 &
   eval "FIT_$kind=\$!"
 done
