@@ -236,6 +236,7 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
     full = req.budget <= 1
     set_ = lambda field, value: field.at[slots].set(value, mode="drop")  # noqa: E731
     sampling = jax.tree.map(set_, state.sampling, req.sampling)
+    prior = sched.gate_prior(state.gate_confidences, state.gate_rounds, gate_start(s))  # [G]
     return dataclasses.replace(
         state, cache=cache, drafter=dstate, anchor=set_(state.anchor, first),
         occupied=set_(state.occupied, True), done=set_(state.done, eos | full),
@@ -245,14 +246,12 @@ def insert(params: dict, dparams, state: SlotState, req: Requests, *, s: DecodeS
         ignore_eos=set_(state.ignore_eos, req.ignore_eos), sampling=sampling,
         seed_key=set_(state.seed_key, req.seed_key), drafted=set_(state.drafted, 0),
         accepted=set_(state.accepted, 0),
-        gate_confidences=set_(state.gate_confidences,
-                              sched.gate_prior(state.gate_confidences, state.gate_rounds, gate_start(s))),
+        gate_confidences=set_(state.gate_confidences, prior),
         gate_rounds=set_(state.gate_rounds, 0),
         # The lagged policy's history starts from the same prior: a reused slot held the zeros
         # its freed row was given, which stopped the new request's first two drafted rounds.
-        lagged_confidences=set_(state.lagged_confidences, jnp.broadcast_to(
-            sched.gate_prior(state.gate_confidences, state.gate_rounds, gate_start(s))[None, None],
-            (n,) + state.lagged_confidences.shape[1:])),
+        lagged_confidences=set_(state.lagged_confidences,
+                                jnp.broadcast_to(prior, (n,) + state.lagged_confidences.shape[1:])),
         forwards=state.forwards + 1)
 
 
@@ -626,8 +625,10 @@ def step_rows(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams,
 def probe_due_at(state: SlotState, sp: sched.ScheduleParams) -> jax.Array:
     """[] int32 the value of `forwards` from which the gate probes. next_probe counts from the
     last drafted round; the load's floor (sched.probe_floor) also holds for a fresh engine's first
-    probe (its last drafted round is "forward 0")."""
-    return jnp.maximum(state.next_probe, sched.probe_floor(sp, state.done.shape[0]))
+    probe (its last drafted round is "forward 0"). Under max_length 0 no probe can run, so none
+    is ever due (a shut step that waited for one ran no round)."""
+    due = jnp.maximum(state.next_probe, sched.probe_floor(sp, state.done.shape[0]))
+    return jnp.where(sp.max_length > 0, due, jnp.iinfo(jnp.int32).max)
 
 
 def gate_drafts(state: SlotState, sp: sched.ScheduleParams, rounds_left: jax.Array, *, s: DecodeSettings,
@@ -728,9 +729,8 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
         # leaving can open it (the online ratio's slow drift back to 1 waits for one of those, or
         # for the step's end). Those two scalar tests replace the gate itself (asked every round it
         # cost ~3 % of a plain round at 4 rows on CPU). The gate was closed when asked, so the first
-        # round runs whatever the tests say, and a probe it may not run (max_length 0) is never due.
-        start = carry[0]
-        probe_at = jnp.where(sp.max_length > 0, probe_due_at(carry[1], sp), jnp.iinfo(jnp.int32).max)
+        # round runs whatever the tests say.
+        start, probe_at = carry[0], probe_due_at(carry[1], sp)
         rows_live = jnp.sum(~carry[1].done)
 
         def closed(c):

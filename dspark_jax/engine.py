@@ -30,7 +30,7 @@ from dspark_jax import schedule as sched
 from dspark_jax.decode import DecodeSettings, Requests, SlotState
 from dspark_jax.drafters import cast_floats, vocab
 from dspark_jax.prompts import PromptError
-from dspark_jax.sampling import RowSampling, SamplingParams
+from dspark_jax.sampling import RowSampling, SamplingParams, is_integer
 
 FINISH_REASONS = {decode.NOT_FINISHED: None, decode.FINISHED_EOS: "eos", decode.FINISHED_LENGTH: "length"}
 VERIFIERS = ("jnp", "pallas")
@@ -468,9 +468,10 @@ class Engine:
         loading likewise), and without this each first use of a prompt bucket, row bucket, span or
         width (a rare probe at high load) stalls every live request that long. Returns the
         seconds it took."""
-        if isinstance(rounds, (int, np.integer)) or not all(
-                isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 1 for r in rounds):
+        if is_integer(rounds):
             raise ValueError(f"rounds must be a sequence of integers >= 1, got {rounds!r}")
+        for r in rounds:
+            check_rounds(r)
         start = time.perf_counter()
         self.new_state()
         state = self._state_shape()
@@ -620,8 +621,7 @@ class Engine:
         `policy` overrides the engine's verification-length policy for this call (one compiled
         program per policy); `max_length` caps the draft tokens any row verifies (data: any value
         in [0, G] runs the same program)."""
-        if not isinstance(rounds, (int, np.integer)) or rounds < 1:
-            raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+        check_rounds(rounds)
         policy = self.policy if policy is None else sched.check_policy(policy)
         if self.settings.dconfig is None:
             policy = "none"  # plain decoding: there is nothing to schedule
@@ -664,6 +664,12 @@ class Engine:
         if not isinstance(slot, (int, np.integer)) or not 0 <= slot < self.slots:
             raise SlotError(f"slot must be an integer in [0, {self.slots}), got {slot!r}")
         return self._run("free", self._free_fn, (state, np.int32(slot)), (0,))
+
+
+def check_rounds(rounds) -> None:
+    """Rounds per step (step, warmup): an integer >= 1."""
+    if not is_integer(rounds) or rounds < 1:
+        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
 
 
 def check_threshold(threshold) -> float:

@@ -7,6 +7,7 @@ from typing import Sequence
 import numpy as np
 
 from dspark_jax.models.config import ModelConfig
+from dspark_jax.sampling import is_integer
 
 
 class PromptError(ValueError):
@@ -61,7 +62,7 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 def check_prompts(ids: list[list[int]], config: ModelConfig, max_new_tokens: int, extra_slots: int = 0) -> None:
     """Every row fits the model's context with its budget, and every id is in the vocabulary."""
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     limit = config.max_position_embeddings
     for i, row in enumerate(ids):

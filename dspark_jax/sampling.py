@@ -49,13 +49,13 @@ class SamplingParams:
     def __post_init__(self):
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not _is_integer(self.top_k) or self.top_k < 1):
+        if self.top_k is not None and (not is_integer(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None and (not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
-        if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not _is_integer(self.seed) or not 0 <= self.seed < 2**63:
+        if not is_integer(self.seed) or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         # numpy scalars in, Python numbers out; a top_k past int32 keeps every token, as any k >= V does
         normal = dict(temperature=float(self.temperature), max_new_tokens=int(self.max_new_tokens), seed=int(self.seed),
@@ -69,12 +69,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _is_integer(x) -> bool:
+def is_integer(x) -> bool:
+    """A Python or numpy integer that is not a bool (what counts, budgets and seeds accept)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _is_number(x) -> bool:
-    return _is_integer(x) or isinstance(x, (float, np.floating))
+    return is_integer(x) or isinstance(x, (float, np.floating))
 
 
 @jax.tree_util.register_dataclass
