@@ -267,7 +267,7 @@ def verify_block(draft_tokens, draft_probs, target_probs, lengths, uniforms, *,
     """Pallas twin of ``verify_block_reference`` -> (num_accepted [B], next_token [B]) int32.
 
     draft_tokens [B, G] int, draft_probs [B, G, V], target_probs [B, G+1, V],
-    lengths [B] in [0, G], uniforms [B, G+1] in [0, 1).
+    lengths [B] in [0, G] (clipped to it), uniforms [B, G+1] in [0, 1).
 
     interpret: None -> ``default_interpret(backend)``: the interpreter unless the default
       backend runs the kernel natively (a forced "tpu" kernel on a GPU, or "triton" on a TPU, is

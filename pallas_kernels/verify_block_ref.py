@@ -106,7 +106,9 @@ def accept_stage(draft_tokens, draft_probs, target_probs, lengths, uniforms):
     v = target_probs.shape[-1]
     p = target_probs.astype(jnp.float32)  # [B, G+1, V]
     u = uniforms.astype(jnp.float32)  # [B, G+1]
-    lengths = lengths.astype(jnp.int32)
+    # A length past G verifies the whole block: unclipped, `n < lengths` would flag a row whose G
+    # drafts were all accepted as rejected and draw its bonus from the residual of p_G and q_{G-1}.
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, g)
     if g > 0:
         q = draft_probs.astype(jnp.float32)  # [B, G, V]
         tok = jnp.clip(draft_tokens.astype(jnp.int32), 0, v - 1)  # [B, G]
@@ -177,7 +179,7 @@ def verify_block_reference(draft_tokens, draft_probs, target_probs, lengths, uni
     """Lossless block verification in jnp; returns (num_accepted [B], next_token [B]) int32.
 
     draft_tokens [B, G] int, draft_probs [B, G, V], target_probs [B, G+1, V],
-    lengths [B] in [0, G], uniforms [B, G+1] in [0, 1).  Spec: the module docstring.
+    lengths [B] in [0, G] (clipped to it), uniforms [B, G+1] in [0, 1).  Spec: the module docstring.
     """
     chunk = effective_chunk(target_probs.shape[-1], chunk_size)
     p, q, n, kq, rejected, u_last = accept_stage(

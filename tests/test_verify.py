@@ -301,6 +301,21 @@ def test_zero_draft_length_block():
         assert np.array_equal(np.asarray(pal[0]), np.asarray(ref[0]))
 
 
+def test_lengths_past_block_verify_the_whole_block():
+    """A length above G means the whole block: with every draft accepted the bonus comes from p_G
+    (it came from the residual of p_G and q_{G-1} when the length was not clipped)."""
+    q = np.array([[[1, 0, 0, 0], [0, 1, 0, 0]]], np.float32)  # one-hot drafts (0, 1)
+    p = np.array([[[1, 0, 0, 0], [0, 1, 0, 0], [0, .5, .5, 0]]], np.float32)  # p_G = {1: .5, 2: .5}
+    tok = np.array([[0, 1]], np.int32)
+    for u_last in np.linspace(0.0, 0.99, 12, dtype=np.float32):
+        u = np.array([[0.0, 0.0, u_last]], np.float32)
+        want = verify_block(tok, q, p, np.array([2], np.int32), u)
+        assert int(want[0][0]) == 2
+        for impl in [verify_block] + [functools.partial(pallas_verify_block, backend=b) for b in BACKENDS]:
+            got = impl(tok, q, p, np.array([5], np.int32), u)
+            assert (int(got[0][0]), int(got[1][0])) == (2, int(want[1][0]))
+
+
 # ------------------------------------------------------ sample_from_probs
 def test_sample_from_probs_edges():
     probs = jnp.array([[0.0, 0.25, 0.0, 0.25, 0.5]] * 5 + [[0.0] * 5],
