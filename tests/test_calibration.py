@@ -91,3 +91,19 @@ def test_metrics_against_direct_definitions():
                for b in range(15) if (bins == b).any())
     assert cal.ece(p, y) == pytest.approx(want)
     assert np.isnan(cal.auroc(p, np.ones(300, bool)))
+
+
+def test_ece_over_prompt_halves_draws_whole_prompts():
+    """Ten prompts at confidence 0.5, the even ones' drafts always survive and the odd ones' never:
+    over all rounds the head is calibrated (ECE 0), but a half of the prompts with k even ones of
+    five has ECE |k / 5 - 0.5|, which a split of single rounds would hide."""
+    from train.calibrate import ece_over_prompt_halves
+
+    request = np.repeat(np.arange(10), 30)
+    survival = (request % 2 == 0).astype(np.float32)[:, None]  # [rounds, 1]
+    probs = np.full_like(survival, 0.5)
+    assert cal.ece(probs[:, 0], survival[:, 0]) == pytest.approx(0.0)
+    lo, mean, hi = ece_over_prompt_halves(probs, survival, request, draws=50)[0]
+    possible = {abs(k / 5 - 0.5) for k in range(6)}
+    assert min(abs(lo - p) for p in possible) < 1e-6 and min(abs(hi - p) for p in possible) < 1e-6
+    assert hi >= 0.3 and 0.0 < mean < hi
