@@ -154,6 +154,7 @@ def generate(
             "tau": float(committed) / max(int(row_rounds), 1),
             "acceptance_per_position": [float(a) / float(t) if t else None for a, t in zip(accepted, tried)],
             "verify_rounds": int(forwards) - 1,
+            "row_rounds": int(row_rounds),  # rounds summed over rows: tau's denominator
         })
         stats.update(split)
         if split:

@@ -202,11 +202,13 @@ def test_fit_then_calibrate_then_evaluate(tiny_train_data, tmp_path, monkeypatch
                                                    datasets=("sharegpt",), temperatures=(0.0,), block_sizes=(3,),
                                                    max_prompts=3, max_new_tokens=10, slots=4, speed_batches=(1,),
                                                    speed_datasets=("sharegpt",), speed_policies=("fixed",),
-                                                   speed_new_tokens=8, repeats=1, out=str(tmp_path / "eval")))
+                                                   speed_new_tokens=8, speed_prompts=2, repeats=1,
+                                                   out=str(tmp_path / "eval")))
     (row,) = results["acceptance"]
     assert row["drafter"] == "dspark" and 1.0 <= row["tau"] <= 4.0 and len(row["acceptance_per_position"]) == 3
     (speed,) = results["speed"]
     assert speed["plain_tok_s"] > 0 and speed["spec_tok_s"] > 0 and speed["policy"] == "fixed"
+    assert speed["prompts"] == 2 and 1.0 <= speed["tau"] <= 4.0  # both prompts timed alone at batch 1
     assert "| dspark | sharegpt | 0 | 3 |" in (tmp_path / "eval" / "results.md").read_text()
     assert np.isfinite(speed["speedup"])
 
