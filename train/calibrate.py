@@ -93,14 +93,15 @@ def calibrate(z: np.ndarray, accepted: np.ndarray, request: np.ndarray, shift: b
     if not test_rows.any():
         fit_rows = test_rows = np.ones(len(z), bool)
     temps, shifts = cal.fit_sts(z[fit_rows], survival[fit_rows], shift=shift)
-    before = cal.survival_probs_np(z[test_rows], np.ones(g))
+    raw = cal.survival_probs_np(z, np.ones(g))  # [rounds, G] the head at T = 1
+    before = raw[test_rows]
     after = cal.survival_probs_np(z[test_rows], temps, shifts)
     return {"temperatures": temps.tolist(), "shifts": shifts.tolist(), "rounds": int(len(z)), "rounds_fit": int(fit_rows.sum()),
             "rounds_eval": int(test_rows.sum()),
             "before": cal.metrics_per_position(before, survival[test_rows]),
             # The raw head fits nothing on these prompts, so all rounds measure it held out.
-            "raw_all_rounds": cal.metrics_per_position(cal.survival_probs_np(z, np.ones(g)), survival),
-            "raw_ece_prompt_halves": ece_over_prompt_halves(cal.survival_probs_np(z, np.ones(g)), survival, request),
+            "raw_all_rounds": cal.metrics_per_position(raw, survival),
+            "raw_ece_prompt_halves": ece_over_prompt_halves(raw, survival, request),
             "after": cal.metrics_per_position(after, survival[test_rows]),
             "curves": {"before": reliability(before, survival[test_rows]), "after": reliability(after, survival[test_rows])}}
 

@@ -4,10 +4,11 @@
         [--data data/smollm2-135m] [--datasets mtbench humaneval sharegpt] [--temperatures 0 1] \
         [--block-sizes 7 15] [--max-prompts 40] [--speed-batches 1 8] [--out runs/eval]
 
-tau is the mean number of tokens a verification round commits (accepted drafts + 1), over every
-round of every prompt of a dataset, through the Engine at the given temperature and block size.
-The speedup is plain generate against speculative generate on the same prompts (greedy, batch
-1 and 8, tokens per second excluding compilation; best of --repeats alternating runs), on
+tau is the mean number of tokens a verification round commits (accepted drafts + 1), over the
+rounds that verified the whole block, for every prompt of a dataset, through the Engine at the
+given temperature and block size. The speedup is plain generate against speculative generate on
+the same prompts (greedy, batch 1 and 8, tokens per second excluding compilation; the first
+--speed-prompts prompts in groups of the batch size, best of --repeats alternating runs each), on
 --speed-datasets, under each of --speed-policies ("fixed": every round verifies G; "dspark":
 the load-aware scheduler, which also decides when drafting does not pay). Writes
 `results.md` (the tables), `results.json` and `tau.png` under --out.

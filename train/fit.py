@@ -458,11 +458,13 @@ def run(cfg: FitConfig) -> dict:
     tcfg = target.config
     init = load_init(cfg, tcfg)
     train_data = SequenceData(cfg.data, cfg.feature_layers, "train", cfg.seq_len, cfg.train_shards, cfg.first_shard)
+    own = data_lib.data_generation(cfg.data) if cfg.extra_data else {}
     for folder in cfg.extra_data:
         # Same target, and the same split by conversation: with another val_fraction the extra
         # folder's train split holds conversations of --data's validation split.
+        other = data_lib.data_generation(folder)
         for key in ("model", "val_fraction"):
-            mine, theirs = data_lib.data_generation(cfg.data).get(key), data_lib.data_generation(folder).get(key)
+            mine, theirs = own.get(key), other.get(key)
             if mine != theirs:
                 raise SystemExit(f"--extra-data {folder} was generated with {key} {theirs}, --data {cfg.data} "
                                  f"with {mine}")
