@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import os
 import time
+import weakref
 from typing import Callable, Sequence
 
 import jax
@@ -62,6 +63,24 @@ class StepOutput:
     round_tokens: list[int] = dataclasses.field(default_factory=list)
     round_predicted_tau: list[float] = dataclasses.field(default_factory=list)
     round_predicted_throughput: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class HostView:
+    """A state's small per-slot fields on the host: what the next step's shape (row bucket,
+    attention span) and its gate read. A step returns them with its tokens, in the same copy, so
+    the next step of that state needs no read of its own; an insert or free makes a new state,
+    which is read once."""
+
+    done: np.ndarray  # [slots] bool
+    unreported: np.ndarray  # [slots] bool
+    occupied: np.ndarray  # [slots] bool
+    lengths: np.ndarray  # [slots] int32 cache lengths
+    budget: np.ndarray  # [slots] int32
+    emitted: np.ndarray  # [slots] int32
+    # (step key, drafts): the dspark gate's answer for a step of that key (rounds, span, policy,
+    # rows, length cap), asked at the end of the step that made this state.
+    gate: tuple[tuple, bool] | None = None
 
 
 def seed_key(seed: int) -> np.ndarray:
@@ -189,6 +208,7 @@ class Engine:
         self._steps: dict = {}  # (rounds, span, policy, rows, shut) -> the step executable, looked up every step
         self._state_spec = None  # the slot state's shapes, traced once (_state_shape)
         self._verified_drafts = True  # the last step verified a draft token (span_for's plan)
+        self._view: tuple[weakref.ref, HostView] | None = None  # the last step's state and its HostView
         # Params as the programs read them: the caller's trees, or placed on the mesh by the rules.
         self._params = target.params
         # The draft vocabulary's LM-head rows are gathered once here, not in every round.
@@ -267,6 +287,7 @@ class Engine:
                              f"got shape {np.shape(table)}")
         self.cost_table = cost
         self._bucket_tables = tables
+        self._view = None  # a gate answer read the old table
         self.cost_table_source = "given"  # profile() and the cache name themselves after this
 
     def _bucket_table(self, rows: int, cost: sched.CostTable, given) -> tuple[jax.Array, jax.Array]:
@@ -299,6 +320,7 @@ class Engine:
     def threshold(self, value: float) -> None:
         self._schedule = dataclasses.replace(self._schedule,
                                              threshold=jnp.asarray(check_threshold(value), jnp.float32))
+        self._view = None
 
     def profile(self, max_tokens: int | None = None) -> sched.CostTable:
         """Measure this engine's cost table at every row bucket (schedule.profile_sps) and use it."""
@@ -381,8 +403,18 @@ class Engine:
         return lambda p, dp, state, req: decode.insert(p, dp, state, req, s=s)
 
     def _step_fn(self, rounds: int, span: int, policy: str, rows: int, shut: bool = False):
+        """decode.step_rows, and then, under a gated policy, the gate's question for the next step
+        of the same shape (decode.gate_at_start on the new state; False otherwise): a step that
+        follows it asks no gate program and waits for no answer of its own."""
         s = dataclasses.replace(self.settings, kv_len=span, policy=policy)
-        return lambda p, dp, state, sp: decode.step_rows(p, dp, state, sp, rounds=rounds, rows=rows, s=s, shut=shut)
+        gated = self._gated(policy)
+
+        def fn(p, dp, state, sp):
+            out = decode.step_rows(p, dp, state, sp, rounds=rounds, rows=rows, s=s, shut=shut)
+            after = decode.gate_at_start(out[0], sp, rounds=rounds, rows=rows, s=s) if gated else jnp.zeros((), bool)
+            return (*out, after)
+
+        return fn
 
     def _step_program(self, rounds: int, span: int, policy: str, rows: int | None = None, shut: bool = False):
         rows = self.slots if rows is None else rows
@@ -407,11 +439,21 @@ class Engine:
                                              (self._state_shape(), self._schedule_for(rows)))
         return self._steps[key]
 
+    def host_view(self, state: SlotState) -> HostView:
+        """`state`'s HostView: the one the last step returned when `state` is its result, else
+        read from the device (a few bytes per slot)."""
+        if self._view is not None and self._view[0]() is state:
+            return self._view[1]
+        view = HostView(*jax.device_get((state.done, state.unreported, state.occupied, state.cache.lengths,
+                                         state.budget, state.emitted)))
+        self._view = (weakref.ref(state), view)
+        return view
+
     def rows_for(self, state: SlotState) -> int:
         """The smallest row bucket that holds every slot a step must visit (live, or holding a
-        first token not yet reported). Reads two bytes per slot, between steps."""
-        done, unreported = jax.device_get((state.done, state.unreported))
-        visit = np.flatnonzero(~done | unreported)
+        first token not yet reported)."""
+        view = self.host_view(state)
+        visit = np.flatnonzero(~view.done | view.unreported)
         need = int(visit[-1]) + 1 if visit.size else 1
         return next(rows for rows in self.row_buckets if rows >= need)
 
@@ -425,12 +467,11 @@ class Engine:
         block on top of the plain rounds, or for plain rounds only after a step of this engine
         that verified no draft token (their gate was closed: a probe near the span's edge has its
         drafts cut rather than every step moving to the next span early); "none" for plain rounds
-        only; the other policies for G+1 positions every round. Reads a few bytes per slot,
-        between steps."""
+        only; the other policies for G+1 positions every round."""
         policy = self.policy if policy is None else policy
-        lengths, occupied, done, budget, emitted = jax.device_get(
-            (state.cache.lengths, state.occupied, state.done, state.budget, state.emitted))
-        live = occupied & ~done  # on the host: an eager device op would compile after warmup
+        view = self.host_view(state)
+        lengths, budget, emitted = view.lengths, view.budget, view.emitted
+        live = view.occupied & ~view.done  # on the host: an eager device op would compile after warmup
         if not live.any():
             return self.attention_spans[0]
         g = self.block_size
@@ -636,14 +677,25 @@ class Engine:
             sp = dataclasses.replace(self._schedule_for(rows), max_length=sp.max_length)
         span = self.span_for(state, int(rounds), policy)
         # A gated step whose first round would not draft runs the plain-only program (decode.step's
-        # `shut`): the gate's nested loops cost ~5 ms a step even when they draft nothing.
-        shut = self._gated(policy) and not bool(self._gate_program(int(rounds), span, policy, rows)(
-            *self.weights, state, sp))
+        # `shut`): the gate's nested loops cost ~5 ms a step even when they draft nothing. The
+        # previous step of the same shape asked the gate already (HostView.gate); otherwise its
+        # own program asks (after an insert or free, or a new span, rows or cap).
+        gated = self._gated(policy)
+        key = (int(rounds), span, policy, rows, self.block_size if max_length is None else int(max_length))
+        known = self.host_view(state).gate
+        if gated and known is not None and known[0] == key:
+            shut = not known[1]
+        else:
+            shut = gated and not bool(self._gate_program(int(rounds), span, policy, rows)(*self.weights, state, sp))
         program = self._step_program(int(rounds), span, policy, rows, shut)
-        state, tokens, counts, ran, trace, load = program(*self.weights, state, sp)
-        tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load = jax.device_get(
+        state, tokens, counts, ran, trace, load, gate_after = program(*self.weights, state, sp)
+        (tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load, gate_after, unreported, lengths,
+         budget, emitted) = jax.device_get(
             (tokens, counts, state.occupied, state.done, state.finish_reason, state.drafted, state.accepted, ran,
-             trace, load))
+             trace, load, gate_after, state.unreported, state.cache.lengths, state.budget, state.emitted))
+        self._view = (weakref.ref(state), HostView(done=done, unreported=unreported, occupied=occupied,
+                                                   lengths=lengths, budget=budget, emitted=emitted,
+                                                   gate=(key, bool(gate_after)) if gated else None))
         finished = occupied & done
         self._verified_drafts = bool(np.any(trace.lengths > 0))
         live = [trace.accepted[i] >= 0 for i in range(self.slots)]  # [rounds] per slot

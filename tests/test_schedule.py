@@ -554,6 +554,39 @@ def test_closed_gate_runs_plain_rounds_and_probes_ever_more_rarely(tiny, plain):
     assert [r for r, d in enumerate(drafted) if d] == expected  # even confidences of one do not pay
 
 
+def test_a_step_returns_the_next_steps_gate_answer_and_host_view(tiny):
+    """Engine.step copies back, with its tokens, what the next step's shape and gate read
+    (HostView): the fields equal the device's, and its gate answer equals the gate program's on
+    the new state, through steps where the gate is open (probes) and shut, rows finishing, and an
+    insert (a new state, read afresh)."""
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    steep = sched.CostTable(slots=4, block_size=3, widths=[], steps_per_second=[], table=[1.0] * 5 + [0.01] * 12,
+                            plain_steps_per_second=1.5)
+    engine = Engine(target, drafter, slots=4, max_len=256, policy="dspark", sps_table=steep)
+    prompts = _prompts(4, seed=9)
+    state = engine.insert_many(engine.new_state(), [(i, p, SamplingParams(max_new_tokens=40 + 50 * i, ignore_eos=True))
+                                                    for i, p in enumerate(prompts[:3])])
+    answers, inserted = [], False
+    while not bool(np.all(np.asarray(state.done))):
+        state, _ = engine.step(state, rounds=4)
+        view = engine.host_view(state)
+        for field, device in (("done", state.done), ("unreported", state.unreported), ("occupied", state.occupied),
+                              ("lengths", state.cache.lengths), ("budget", state.budget), ("emitted", state.emitted)):
+            np.testing.assert_array_equal(getattr(view, field), np.asarray(device), err_msg=field)
+        (rounds, span, policy, rows, cap), drafts = view.gate
+        asked = engine._gate_program(rounds, span, policy, rows)(*engine.weights, state, engine._schedule_for(rows))
+        assert drafts == bool(asked) and cap == 3
+        answers.append(drafts)
+        if not inserted and bool(np.asarray(state.done)[0]):
+            state = engine.free(state, 0)
+            state = engine.insert(state, 0, prompts[3], SamplingParams(max_new_tokens=30, ignore_eos=True))
+            assert engine.host_view(state).gate is None and bool(engine.host_view(state).unreported[0])
+            inserted = True
+    assert inserted and True in answers and False in answers
+
+
 def test_an_over_confident_head_is_corrected_online_and_retried(tiny):
     """A head that says ~1 where the untrained drafter's first token is accepted ~1 time in 6:
     the threshold policy first verifies whole blocks, then the online ratio takes its lengths to
