@@ -588,6 +588,14 @@ def confidence_calibration(s: DecodeSettings, g: int) -> tuple[jax.Array, jax.Ar
 
 
 
+def round_limit(sp: sched.ScheduleParams, rounds: int) -> jax.Array:
+    """[] int32 the rounds a step program compiled for `rounds` runs at most: sp.round_limit when
+    given (data, so a 1-round step runs on a warmed-up 4-round program), else all of them."""
+    if sp.round_limit is None:
+        return jnp.asarray(rounds, jnp.int32)
+    return jnp.clip(sp.round_limit, 1, rounds).astype(jnp.int32)
+
+
 def step_width(rounds: int, block_size: int) -> int:
     """Columns of a step's packed output: the first token plus G+1 per round."""
     return 1 + rounds * (block_size + 1)
@@ -654,12 +662,12 @@ def gate_at_start(state: SlotState, sp: sched.ScheduleParams, *, rounds: int, ro
         state, cache=dataclasses.replace(state.cache, lengths=head(state.cache.lengths)), done=head(state.done),
         budget=head(state.budget), emitted=head(state.emitted), gate_confidences=head(state.gate_confidences),
         gate_rounds=head(state.gate_rounds))
-    return gate_drafts(part, sp, jnp.asarray(rounds, jnp.int32), s=dataclasses.replace(s, slots=rows))
+    return gate_drafts(part, sp, round_limit(sp, rounds), s=dataclasses.replace(s, slots=rows))
 
 
 def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, rounds: int, s: DecodeSettings,
          shut: bool = False):
-    """Up to `rounds` rounds (fewer when every slot is done) in one lax.while_loop.
+    """Up to `rounds` rounds (sp.round_limit fewer; fewer when every slot is done) in one lax.while_loop.
 
     `shut` (static; the dspark policies only): the gate is closed at the step's start
     (gate_at_start). The step then runs plain rounds in one flat loop until a probe is due or a
@@ -687,14 +695,15 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
                        accepted=jnp.full((b, rounds), -1, jnp.int32))
     load = RoundLoad(tokens=jnp.zeros((rounds,), jnp.int32), predicted_tau=jnp.zeros((rounds,), jnp.float32),
                      predicted_throughput=jnp.zeros((rounds,), jnp.float32))
+    limit = round_limit(sp, rounds)  # the rounds this call may run (data: one program serves every step size up to it)
 
     def going(carry):
         i, st = carry[:2]
-        return (i < rounds) & jnp.any(~st.done)
+        return (i < limit) & jnp.any(~st.done)
 
     def body(plain, carry, defer=False):
         i, st, out, counts, trace, load, deferred = carry
-        st, emitted, keep, now, now_load, columns = decode_round(params, dparams, st, sp, rounds - i, s=s,
+        st, emitted, keep, now, now_load, columns = decode_round(params, dparams, st, sp, limit - i, s=s,
                                                                  plain=plain, defer_context=defer)
         j = jnp.arange(emitted.shape[1], dtype=jnp.int32)[None, :]
         at = jnp.where(keep, counts[:, None] + j, width)  # width: out of range, dropped
@@ -721,7 +730,7 @@ def step(params: dict, dparams, state: SlotState, sp: sched.ScheduleParams, *, r
 
     def drafts(carry, probes=True, measured_only=False):
         i, st = carry[:2]
-        return gate_drafts(st, sp, rounds - i, s=s, probes=probes, measured_only=measured_only)
+        return gate_drafts(st, sp, limit - i, s=s, probes=probes, measured_only=measured_only)
 
     def plain_until_event(carry, defer=False):
         # Plain rounds while the gate is closed, until it could open: plain rounds leave its

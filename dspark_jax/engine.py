@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import decode
+from dspark_jax import decode, memory_maps
 from dspark_jax import schedule as sched
 from dspark_jax.decode import DecodeSettings, Requests, SlotState
 from dspark_jax.drafters import cast_floats, vocab
@@ -78,8 +78,8 @@ class HostView:
     lengths: np.ndarray  # [slots] int32 cache lengths
     budget: np.ndarray  # [slots] int32
     emitted: np.ndarray  # [slots] int32
-    # (step key, drafts): the dspark gate's answer for a step of that key (rounds, span, policy,
-    # rows, length cap), asked at the end of the step that made this state.
+    # (step key, drafts): the dspark gate's answer for a step of that key (program rounds, rounds,
+    # span, policy, rows, length cap), asked at the end of the step that made this state.
     gate: tuple[tuple, bool] | None = None
 
 
@@ -193,7 +193,10 @@ class Engine:
         self._schedule = sched.ScheduleParams(
             sps_table=jnp.zeros((sched.table_size(int(slots), self.settings.block_size),), jnp.float32),
             threshold=jnp.asarray(check_threshold(threshold), jnp.float32),
-            max_length=jnp.asarray(self.settings.block_size, jnp.int32), plain_sps=jnp.zeros((), jnp.float32))
+            max_length=jnp.asarray(self.settings.block_size, jnp.int32), plain_sps=jnp.zeros((), jnp.float32),
+            round_limit=jnp.asarray(np.iinfo(np.int32).max, jnp.int32))  # step() sets the rounds it asks for
+        self._round_limits: dict[int, jax.Array] = {}  # rounds -> its device scalar, made once
+        self._warm_rounds: set[int] = set()  # the rounds of the step programs warmup compiled
         self.mesh = mesh if mesh is not None else getattr(target, "mesh", None)
         split = 1 if self.mesh is None else int(dict(self.mesh.shape).get("data", 1))
         # A mesh that splits slots over `data` steps them all: a row bucket's slice of the cache
@@ -205,6 +208,8 @@ class Engine:
         self.attention_spans = attention_spans(max_len)
         self.compile_seconds = 0.0  # total time spent compiling this engine's programs
         self._programs: dict = {}
+        devices = self.mesh.devices.flat if self.mesh is not None else jax.devices()[:1]
+        self._on_cpu = any(d.platform == "cpu" for d in devices)  # XLA:CPU's JIT code uses memory maps
         self._steps: dict = {}  # (rounds, span, policy, rows, shut) -> the step executable, looked up every step
         self._state_spec = None  # the slot state's shapes, traced once (_state_shape)
         self._verified_drafts = True  # the last step verified a draft token (span_for's plan)
@@ -367,6 +372,8 @@ class Engine:
         shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         key = (name, shapes)
         if key not in self._programs:
+            if self._on_cpu:
+                memory_maps.check_headroom(len(self._programs))
             start = time.perf_counter()
             weights = self.weights
             options = {}
@@ -514,6 +521,7 @@ class Engine:
         for r in rounds:
             check_rounds(r)
         start = time.perf_counter()
+        self._warm_rounds.update(int(r) for r in rounds)
         self.new_state()
         state = self._state_shape()
         for n in insert_batches:
@@ -675,19 +683,28 @@ class Engine:
         if self._gated(policy) and rows not in self._bucket_tables and max_length != 0:
             self._profile_missing()  # once, before the first step that needs it (a cap of 0 never drafts)
             sp = dataclasses.replace(self._schedule_for(rows), max_length=sp.max_length)
+        # The step runs on the smallest warmed-up program of at least `rounds` rounds, limited to
+        # `rounds` as data (decode.round_limit): a server warmed up for 4-round steps also runs
+        # 1-round ones without a program of its own (every program costs ~1000 memory maps of
+        # JIT code on XLA:CPU, and a process has 65530).
+        program_rounds = min((r for r in self._warm_rounds if r >= rounds), default=int(rounds))
+        if int(rounds) not in self._round_limits:
+            self._round_limits[int(rounds)] = jnp.asarray(int(rounds), jnp.int32)
+        sp = dataclasses.replace(sp, round_limit=self._round_limits[int(rounds)])
         span = self.span_for(state, int(rounds), policy)
         # A gated step whose first round would not draft runs the plain-only program (decode.step's
         # `shut`): the gate's nested loops cost ~5 ms a step even when they draft nothing. The
         # previous step of the same shape asked the gate already (HostView.gate); otherwise its
         # own program asks (after an insert or free, or a new span, rows or cap).
         gated = self._gated(policy)
-        key = (int(rounds), span, policy, rows, self.block_size if max_length is None else int(max_length))
+        key = (program_rounds, int(rounds), span, policy, rows,
+               self.block_size if max_length is None else int(max_length))
         known = self.host_view(state).gate
         if gated and known is not None and known[0] == key:
             shut = not known[1]
         else:
-            shut = gated and not bool(self._gate_program(int(rounds), span, policy, rows)(*self.weights, state, sp))
-        program = self._step_program(int(rounds), span, policy, rows, shut)
+            shut = gated and not bool(self._gate_program(program_rounds, span, policy, rows)(*self.weights, state, sp))
+        program = self._step_program(program_rounds, span, policy, rows, shut)
         state, tokens, counts, ran, trace, load, gate_after = program(*self.weights, state, sp)
         (tokens, counts, occupied, done, reason, drafted, accepted, ran, trace, load, gate_after, unreported, lengths,
          budget, emitted) = jax.device_get(

@@ -121,6 +121,9 @@ class ScheduleParams:
     threshold: jax.Array  # [] float32 survival threshold of the "threshold" policy
     max_length: jax.Array  # [] int32 most draft tokens any row verifies in a round (<= G)
     plain_sps: jax.Array  # [] float32 steps per second of a round that does not draft (the gate's other choice)
+    # [] int32 rounds a step runs at most, below its program's static count (decode.round_limit);
+    # None: all of them. The Engine always passes one, so every step size shares one program.
+    round_limit: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -36,6 +36,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve import protos
+from serve.config import ServeConfig
 
 pb2, pb2_grpc = protos.load()
 
@@ -327,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--queue-size", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="decoding rounds per engine step of the launched servers (tokens stream once per step)")
+    parser.add_argument("--rounds", type=int, default=ServeConfig().rounds,
+                        help="decoding rounds per engine step of the launched servers, at most (tokens stream once "
+                             "per step)")
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4, 8])
     parser.add_argument("--rates", type=float, nargs="*", default=[], help="Poisson arrival rates (requests/s)")
     parser.add_argument("--requests", type=int, default=32, help="requests per load level")

@@ -23,7 +23,7 @@ class ServeConfig:
     mesh: str = ""
     metrics_port: int | None = None
     queue_size: int = 64
-    rounds: int = 1
+    rounds: int = 4  # per engine step, at most (orchestrator); serve/README.md "Rounds per step"
     dtype: str = "float32"
     verifier: str = "jnp"
     max_message_mb: int = 16
@@ -62,7 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus endpoint port (default: off)")
     parser.add_argument("--queue-size", type=int, default=d.queue_size,
                         help="requests that may wait for a slot; past it, RESOURCE_EXHAUSTED")
-    parser.add_argument("--rounds", type=int, default=d.rounds, help="decoding rounds per engine step")
+    parser.add_argument("--rounds", type=int, default=d.rounds,
+                        help="decoding rounds per engine step, at most (one round while a new request awaits its "
+                             "first token): more rounds pay the step's fixed host cost less often, and a request "
+                             "that arrives mid-step waits for the step's end")
     parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
     parser.add_argument("--verifier", default=d.verifier, choices=["jnp", "pallas"])
     parser.add_argument("--max-message-mb", type=int, default=d.max_message_mb)

@@ -2,8 +2,10 @@
 
 Between steps it frees the slots of finished, aborted, cancelled and expired requests, prefills
 waiting requests into free slots (one insert program for all of them), then runs one engine step
-for every live slot and hands each request the tokens it committed. gRPC handler threads only
-submit, cancel and read their request's event queue; they never touch the engine.
+for every live slot and hands each request the tokens it committed. A step runs up to `rounds`
+rounds (one program, one copy to the host), and one round while a new request awaits its first
+token. gRPC handler threads only submit, cancel and read their request's event queue; they never
+touch the engine.
 """
 
 from __future__ import annotations
@@ -264,7 +266,11 @@ class Orchestrator:
             self._update_gauges()
 
     def _step(self) -> None:
-        self.state, out = self.engine.step(self.state, rounds=self.rounds)
+        # Up to `rounds` rounds per step (one program and one copy to the host for all of them),
+        # but one round while a request admitted since the last step still waits for its first
+        # token: that token is ready after the prefill, and a longer step would hold it back.
+        first = any(job.first_token_at is None for job in self._running.values())
+        self.state, out = self.engine.step(self.state, rounds=1 if first else self.rounds)
         now = time.monotonic()
         for slot, job in list(self._running.items()):
             new = out.tokens[slot]

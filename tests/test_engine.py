@@ -335,3 +335,19 @@ def test_round_trace_reports_acceptance_and_calibrated_confidence(tiny):
     assert [sum(a) for a in accepted] == out.accepted
     assert len(accepted[1]) < len(accepted[0])  # the shorter request stopped being live earlier
     assert np.abs(np.concatenate(logits)).max() > 0  # the confidence head's own logits, not zeros
+
+
+def test_a_compile_past_the_memory_map_limit_is_refused_with_a_clear_message(tiny, monkeypatch):
+    """XLA:CPU's JIT code takes ~1000 memory maps a program and LLVM aborts the process past
+    vm.max_map_count: the Engine refuses the compile first, naming the limit and the ways out."""
+    from dspark_jax import memory_maps
+
+    count = memory_maps.map_count()
+    if count is None or memory_maps.map_limit() is None:
+        pytest.skip("no /proc here")
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: count + 100)
+    engine = Engine(tiny, None, slots=2, max_len=64)
+    with pytest.raises(RuntimeError, match=r"vm.max_map_count.*compiling 0 programs.*fewer slots"):
+        engine.new_state()
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: count + 10 * memory_maps.HEADROOM)
+    assert engine.new_state() is not None

@@ -559,6 +559,8 @@ def test_a_step_returns_the_next_steps_gate_answer_and_host_view(tiny):
     (HostView): the fields equal the device's, and its gate answer equals the gate program's on
     the new state, through steps where the gate is open (probes) and shut, rows finishing, and an
     insert (a new state, read afresh)."""
+    import dataclasses
+
     from dspark_jax import Engine, SamplingParams
 
     target, drafter, _ = tiny
@@ -575,9 +577,10 @@ def test_a_step_returns_the_next_steps_gate_answer_and_host_view(tiny):
         for field, device in (("done", state.done), ("unreported", state.unreported), ("occupied", state.occupied),
                               ("lengths", state.cache.lengths), ("budget", state.budget), ("emitted", state.emitted)):
             np.testing.assert_array_equal(getattr(view, field), np.asarray(device), err_msg=field)
-        (rounds, span, policy, rows, cap), drafts = view.gate
-        asked = engine._gate_program(rounds, span, policy, rows)(*engine.weights, state, engine._schedule_for(rows))
-        assert drafts == bool(asked) and cap == 3
+        (program_rounds, rounds, span, policy, rows, cap), drafts = view.gate
+        sp = dataclasses.replace(engine._schedule_for(rows), round_limit=jnp.int32(rounds))
+        asked = engine._gate_program(program_rounds, span, policy, rows)(*engine.weights, state, sp)
+        assert drafts == bool(asked) and cap == 3 and program_rounds == rounds == 4
         answers.append(drafts)
         if not inserted and bool(np.asarray(state.done)[0]):
             state = engine.free(state, 0)
@@ -800,7 +803,35 @@ def test_no_recompile_when_load_table_or_threshold_change(tiny):
             state, _ = eng.step(state, rounds=2)  # another table
             eng.threshold = 0.9
             state, _ = eng.step(state, rounds=2, max_length=1)  # another cap
+            state, out = eng.step(state, rounds=1)  # fewer rounds: the 2-round program, limited
+            assert out.rounds == 1
     assert not compiles, compiles
+
+
+def test_fewer_rounds_on_a_larger_program_run_exactly_those_rounds(tiny):
+    """A step of r rounds runs on the smallest warmed-up program of at least r rounds, limited
+    to r as data (decode.round_limit): its tokens, rounds and drafts are those of an engine with
+    r-round programs, step for step, under the dspark gate and a fixed length."""
+    from dspark_jax import Engine, SamplingParams
+
+    target, drafter, _ = tiny
+    for policy in ("dspark", "fixed"):
+        runs = []
+        for warm in ((1, 3), (4,)):
+            engine = Engine(target, drafter, slots=4, max_len=128, policy=policy,
+                            sps_table=np.ones(sched.table_size(4, 3), np.float32))  # drafting costs nothing
+            engine._warm_rounds.update(warm)  # what warmup(rounds=warm) records, without compiling it all
+            state = engine.insert_many(engine.new_state(), [
+                (i, p, SamplingParams(max_new_tokens=25 + 9 * i, temperature=0.8 * (i % 2), seed=i))
+                for i, p in enumerate(_prompts(3, seed=2))])
+            trail = []
+            for rounds in (1, 3, 1, 1, 3, 3, 3, 3, 3, 3):
+                state, out = engine.step(state, rounds=rounds)
+                trail.append((out.tokens, out.rounds, out.round_lengths))
+            runs.append(trail)
+            assert {key[0] for key in engine._steps if key[0] != "gate"} == set(warm)
+        assert runs[0] == runs[1], policy
+        assert any(n for _, _, lengths in runs[0] for row in lengths for n in row), policy  # drafts were verified
 
 
 def test_profile_sps_cli_and_json_round_trip(tiny, tmp_path):

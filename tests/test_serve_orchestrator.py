@@ -38,6 +38,7 @@ class FakeEngine:
     def __init__(self, slots=2):
         self.slots = slots
         self.log = []
+        self.rounds = []  # rounds asked of each step
         self.gate = threading.Event()
         self.gate.set()
 
@@ -62,6 +63,7 @@ class FakeEngine:
 
     def step(self, state, rounds=1):
         self.gate.wait(30)
+        self.rounds.append(rounds)
         n = self.slots
         tokens, finished = [[] for _ in range(n)], [False] * n
         for slot, row in state.items():
@@ -120,6 +122,23 @@ def test_tokens_text_and_slot_order_worked_out_by_hand(orch):
     assert engine.log.index(("free", inserts[1][1])) < engine.log.index(inserts[2])
     assert inserts[2][1] == inserts[1][1]
     assert wait_until(lambda: orch.in_flight() == 0 and sorted(orch._free) == [0, 1])
+
+
+def test_steps_run_the_configured_rounds_but_one_round_before_a_first_token():
+    """A step runs `rounds` rounds, except while a request admitted since the last step has not
+    had its first token (a 4-round step would hold it back)."""
+    engine = FakeEngine(slots=2)
+    o = Orchestrator(engine, LetterTokenizer(), queue_size=1, rounds=4)
+    o.start()
+    try:
+        a = o.submit(job("a", 1, 0, 8))  # 4 steps of 2 tokens
+        assert [e.token_ids for e in events(a)] == [[1, 2], [3, 4], [5, 6], [7, 8]]
+        assert engine.rounds == [1, 4, 4, 4]
+        b = o.submit(job("b", 2, 10, 4))
+        assert [e.token_ids for e in events(b)] == [[11, 12], [13, 14]]
+        assert engine.rounds[4:] == [1, 4]
+    finally:
+        o.stop()
 
 
 def test_queue_limit_cancel_admits_the_next_at_once_and_abort(orch):
