@@ -387,7 +387,10 @@ class Engine:
                     in_shardings=(*jax.tree.map(lambda a: a.sharding, weights), *(placed(a) for a in args)),
                     out_shardings=tuple(placed(o) for o in out) if isinstance(out, tuple) else placed(out))
             jitted = jax.jit(fn, donate_argnums=tuple(2 + i for i in donate), **options)
-            self._programs[key] = jitted.lower(*weights, *args).compile()
+            compiled = jitted.lower(*weights, *args).compile()
+            if self._on_cpu:
+                compiled = memory_maps.FirstRunChecked(compiled, len(self._programs))
+            self._programs[key] = compiled
             self.compile_seconds += time.perf_counter() - start
         return self._programs[key]
 

@@ -4,13 +4,14 @@ XLA:CPU places each compiled program's JIT code in memory maps: about 1000 per s
 the default model (a dspark server at 16 slots and a 384-token context held 45k maps after its
 warm-up), and Linux allows a process vm.max_map_count of them (65530 by default). Past the limit
 LLVM aborts the whole process ("Unable to allocate section memory"), which a server cannot catch.
-The Engine asks here before each compile, so a configuration with too many programs fails with
-a message that names the cause and the ways out instead.
+The Engine asks here before each compile and before each program's first run (XLA:CPU may set
+up a program's kernels then), so a configuration with too many programs fails with a message that
+names the cause and the ways out instead.
 """
 
 from __future__ import annotations
 
-HEADROOM = 4000  # maps kept free for the next program (the largest seen here took ~2000)
+HEADROOM = 8000  # maps kept free for the next program (programs average ~1000 here; some take more)
 
 
 def map_count() -> int | None:
@@ -43,3 +44,21 @@ def check_headroom(programs: int) -> None:
         "would abort the process. Raise the limit (sudo sysctl -w vm.max_map_count=262144) or compile fewer "
         "programs: fewer slots (row buckets), a shorter context (attention spans and prompt buckets), one "
         "value of rounds per step")
+
+
+class FirstRunChecked:
+    """A compiled program whose first call checks the headroom first; otherwise the program."""
+
+    def __init__(self, program, programs: int):
+        self.program = program
+        self.programs = programs  # programs compiled before it (for the message)
+        self.ran = False
+
+    def __call__(self, *args):
+        if not self.ran:
+            check_headroom(self.programs)
+            self.ran = True
+        return self.program(*args)
+
+    def __getattr__(self, name):  # as_text(), cost_analysis(), ...
+        return getattr(self.program, name)

@@ -350,4 +350,12 @@ def test_a_compile_past_the_memory_map_limit_is_refused_with_a_clear_message(tin
     with pytest.raises(RuntimeError, match=r"vm.max_map_count.*compiling 0 programs.*fewer slots"):
         engine.new_state()
     monkeypatch.setattr(memory_maps, "map_limit", lambda: count + 10 * memory_maps.HEADROOM)
-    assert engine.new_state() is not None
+    engine.warmup(execute=False)  # compiled, not yet run: the first run checks again
+    state = engine.new_state()
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: count + 100)
+    with pytest.raises(RuntimeError, match="vm.max_map_count"):
+        engine.insert(state, 0, [5, 6, 7], SamplingParams(max_new_tokens=2))
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: count + 10 * memory_maps.HEADROOM)
+    state = engine.insert(state, 0, [5, 6, 7], SamplingParams(max_new_tokens=2))
+    state, out = engine.step(state)
+    assert out.tokens[0]
