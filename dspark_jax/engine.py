@@ -672,7 +672,8 @@ class Engine:
 
         `policy` overrides the engine's verification-length policy for this call (one compiled
         program per policy); `max_length` caps the draft tokens any row verifies (data: any value
-        in [0, G] runs the same program)."""
+        in [0, G] runs the same program). After `warmup`, a step runs on the smallest warmed-up
+        program of at least `rounds` rounds, limited to `rounds` as data."""
         check_rounds(rounds)
         policy = self.policy if policy is None else sched.check_policy(policy)
         if self.settings.dconfig is None:
