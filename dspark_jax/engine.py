@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
 import weakref
@@ -32,6 +33,8 @@ from dspark_jax.decode import DecodeSettings, Requests, SlotState
 from dspark_jax.drafters import cast_floats, vocab
 from dspark_jax.prompts import PromptError
 from dspark_jax.sampling import RowSampling, SamplingParams, is_integer
+
+log = logging.getLogger(__name__)
 
 FINISH_REASONS = {decode.NOT_FINISHED: None, decode.FINISHED_EOS: "eos", decode.FINISHED_LENGTH: "length"}
 VERIFIERS = ("jnp", "pallas")
@@ -329,7 +332,7 @@ class Engine:
 
     def profile(self, max_tokens: int | None = None) -> sched.CostTable:
         """Measure this engine's cost table at every row bucket (schedule.profile_sps) and use it."""
-        tables = [sched.profile_sps(self, max_tokens, rows=rows) for rows in self.row_buckets]
+        tables = [self._profile_rows(rows, max_tokens) for rows in self.row_buckets]
         table = dataclasses.replace(tables[-1], row_buckets=tables[:-1])
         self.sps_table = table
         self.cost_table_source = "profiled"
@@ -353,9 +356,23 @@ class Engine:
                     return
             self.profile()
             return
-        new = [sched.profile_sps(self, rows=rows) for rows in self.row_buckets if rows not in self._bucket_tables]
+        new = [self._profile_rows(rows) for rows in self.row_buckets if rows not in self._bucket_tables]
         self.sps_table = dataclasses.replace(self.cost_table, row_buckets=[
             *[t for t in self.cost_table.row_buckets if t.slots in self.row_buckets], *new])
+
+    def _profile_rows(self, rows: int, max_tokens: int | None = None) -> sched.CostTable:
+        """schedule.profile_sps at one row bucket. The step programs it compiles for other policies
+        ("fixed" at each width, "none") are dropped afterwards: on XLA:CPU each holds thousands of
+        memory maps (memory_maps) that the engine's own programs need, and nothing but a step
+        with an explicit other policy runs them again (it compiles them again)."""
+        before = set(self._steps)
+        try:
+            return sched.profile_sps(self, max_tokens, rows=rows)
+        finally:
+            dropped = [k for k in set(self._steps) - before if self.policy not in k]
+            programs = {id(self._steps.pop(k)) for k in dropped}
+            for key in [k for k, p in self._programs.items() if id(p) in programs]:
+                del self._programs[key]
 
     @property
     def weights(self):
@@ -511,7 +528,8 @@ class Engine:
         """Compile every program a request can need ahead: the insert program for each prompt
         bucket and each batch size in `insert_batches` (powers of two), a step for each value in
         `rounds`, each attention span and row bucket, and free. A dspark policy without a cost
-        table then profiles one (schedule.profile_sps).
+        table profiles one (schedule.profile_sps) before compiling most of its step programs. On XLA:CPU the spans compiled are those that fit the memory-map limit
+        (_fit_spans_to_maps).
 
         With `execute`, each of them then also runs once on placeholder requests, every
         verification width of a step included (`_execute_programs`): an executable's first run
@@ -530,19 +548,60 @@ class Engine:
         for n in insert_batches:
             for length in self.prefill_buckets:
                 self._program("insert", self._insert_fn(), (state, self._abstract_requests(pow2(n), length)), (0,))
+        if self._on_cpu:
+            self._fit_spans_to_maps(rounds)
+        if self._gated(self.policy) and len(self._bucket_tables) < len(self.row_buckets):
+            # Before the other step programs: the programs profiling compiles for other policies
+            # are dropped again (_profile_rows), so they never sit beside all of the engine's own.
+            self._profile_missing()
         for r in rounds:
             for span in self.attention_spans:
                 for rows in self.row_buckets:
-                    self._step_program(int(r), span, self.policy, rows)
-                    if self._gated(self.policy):
-                        self._gate_program(int(r), span, self.policy, rows)
-                        self._step_program(int(r), span, self.policy, rows, shut=True)
+                    self._compile_step_group(int(r), span, rows)
         self._program("free", self._free_fn, (state, jax.ShapeDtypeStruct((), jnp.int32)), (0,))
-        if self._gated(self.policy) and len(self._bucket_tables) < len(self.row_buckets):
-            self._profile_missing()
         if execute:
             self._execute_programs(rounds, insert_batches)
         return time.perf_counter() - start
+
+    def _compile_step_group(self, rounds: int, span: int, rows: int) -> None:
+        """The programs a step of this shape can need: the step, and under a gated policy the
+        gate's question and the step that runs while the gate is shut."""
+        self._step_program(rounds, span, self.policy, rows)
+        if self._gated(self.policy):
+            self._gate_program(rounds, span, self.policy, rows)
+            self._step_program(rounds, span, self.policy, rows, shut=True)
+
+    def _fit_spans_to_maps(self, rounds: Sequence[int]) -> None:
+        """On XLA:CPU, compile fewer attention spans when the step programs of all of them would
+        pass the kernel's memory-map limit (memory_maps: each step program of the default model
+        takes ~2500 maps; a dspark engine of 8 slots and 2048 tokens needs 16 groups of them, more
+        than the default vm.max_map_count of 65530 holds beside its insert programs).
+
+        Compiles the group of the widest span and the most rows first, and counts its maps as
+        every group's; while the rest would not fit, drops the smallest span (a context it held
+        then attends over the next span, the smallest extra reading of all the spans). A step
+        reads the context through the span that holds it, so nothing but attention cost changes.
+        The widest span always stays: a configuration that does not fit with it alone stops at
+        the memory-map guard with its message."""
+        free = memory_maps.free_maps()
+        spans = list(self.attention_spans)
+        if free is None or len(spans) == 1:
+            return
+        before = memory_maps.map_count()
+        for r in rounds:
+            self._compile_step_group(int(r), spans[-1], self.row_buckets[-1])
+        per_span = max(memory_maps.map_count() - before, 1) * len(self.row_buckets)  # every rounds value
+        while len(spans) > 1 and per_span * len(spans) > free:
+            spans.pop(0)
+        if len(spans) < len(self.attention_spans):
+            dropped = [s for s in self.attention_spans if s not in spans]
+            log.warning(
+                "compiling attention spans %s of %s only: all of them need ~%d memory maps and this process "
+                "has %d to spare under vm.max_map_count (%s); contexts up to %d attend over %d positions. "
+                "Raise the limit (sudo sysctl -w vm.max_map_count=262144) to compile them all",
+                spans, list(self.attention_spans), per_span * len(self.attention_spans), free,
+                memory_maps.map_limit(), dropped[-1], spans[0])
+            self.attention_spans = tuple(spans)
 
     def _execute_programs(self, rounds: Sequence[int], insert_batches: Sequence[int]) -> None:
         """Run each insert program and each step program (at every verification width) once, on

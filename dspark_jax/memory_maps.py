@@ -32,6 +32,12 @@ def map_limit() -> int | None:
         return None
 
 
+def free_maps() -> int | None:
+    """Maps this process may still take before the headroom (None where it cannot be known)."""
+    count, limit = map_count(), map_limit()
+    return None if count is None or limit is None else limit - count - HEADROOM
+
+
 def check_headroom(programs: int) -> None:
     """Raise before a CPU compile that would leave fewer than HEADROOM free maps; `programs`
     is how many this engine has compiled so far (for the message)."""

@@ -337,6 +337,31 @@ def test_round_trace_reports_acceptance_and_calibrated_confidence(tiny):
     assert np.abs(np.concatenate(logits)).max() > 0  # the confidence head's own logits, not zeros
 
 
+def test_warmup_compiles_fewer_attention_spans_where_the_memory_maps_would_run_out(tiny, monkeypatch):
+    """Where the step programs of every attention span would pass vm.max_map_count, warmup drops
+    the smallest spans (measured on the first group it compiles) and the engine still decodes
+    every context, through a wider span, to the same tokens."""
+    from dspark_jax import memory_maps
+
+    engine = Engine(tiny, None, slots=2, max_len=128)
+    engine.attention_spans = (32, 64, 128)  # the tiny model's context holds no default spans
+    maps_per_program = 100
+    monkeypatch.setattr(memory_maps, "map_count", lambda: maps_per_program * len(engine._programs))
+    # At the fit new_state and 4 prompt buckets are compiled; a span's step programs (rows 1 and
+    # 2) take 200 maps: room for two spans, not three.
+    monkeypatch.setattr(memory_maps, "map_limit", lambda: 5 * maps_per_program + memory_maps.HEADROOM + 500)
+    engine.warmup(execute=False)
+    assert engine.attention_spans == (64, 128)
+    assert sorted({key[1] for key in engine._steps}) == [64, 128]
+    monkeypatch.undo()
+    reference = Engine(tiny, None, slots=2, max_len=128)
+    reference.attention_spans = (32, 64, 128)
+    prompt, params = _prompts(1)[0], SamplingParams(max_new_tokens=40)  # contexts from below 32 to past 64
+    assert _solo(engine, prompt, params) == _solo(reference, prompt, params)
+    assert {key[1] for key in engine._steps} == {64, 128}  # no program for the dropped span
+    assert 32 in {key[1] for key in reference._steps}
+
+
 def test_a_compile_past_the_memory_map_limit_is_refused_with_a_clear_message(tiny, monkeypatch):
     """XLA:CPU's JIT code takes ~1000 memory maps a program and LLVM aborts the process past
     vm.max_map_count: the Engine refuses the compile first, naming the limit and the ways out."""

@@ -869,6 +869,8 @@ def test_a_profiled_table_is_cached_and_read_back_by_the_same_engine_only(tiny, 
     first = Engine(target, drafter, slots=2, max_len=128, policy="dspark", sps_cache=cache)
     first.warmup(rounds=(1,), execute=False)
     assert sorted(calls) == [1, 2] and first.cost_table_source == "profiled"
+    # Profiling ran "fixed" and "none" steps; their programs are dropped (memory maps on XLA:CPU).
+    assert {key[3] if key[0] == "gate" else key[2] for key in first._steps} == {"dspark"}
     files = os.listdir(cache)
     assert files == [os.path.basename(table_cache.path_for(first, cache))]
 
