@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax import decode, memory_maps
+from dspark_jax import decode, host_memory, memory_maps
 from dspark_jax import schedule as sched
 from dspark_jax.decode import DecodeSettings, Requests, SlotState
 from dspark_jax.drafters import cast_floats, vocab
@@ -373,6 +373,8 @@ class Engine:
             programs = {id(self._steps.pop(k)) for k in dropped}
             for key in [k for k, p in self._programs.items() if id(p) in programs]:
                 del self._programs[key]
+            if self._on_cpu:
+                host_memory.release()  # profiling made a fresh slot state for every call
 
     @property
     def weights(self):
@@ -615,6 +617,8 @@ class Engine:
                 if previous + 2 + self.extra_positions <= self.max_len:
                     jax.block_until_ready(self.insert_many(
                         self.new_state(), [(slot, placeholder(previous + 1), one) for slot in range(n)]))
+                    if self._on_cpu:
+                        host_memory.release()
         budget = self.max_len - 1 - self.extra_positions  # a placeholder row never finishes early
         if budget < 1:
             return
@@ -651,6 +655,9 @@ class Engine:
                         state = self._step_program(int(r), span, self.policy, rows, shut=True)(
                             *self.weights, state, shut)[0]
                     jax.block_until_ready(self.free(state, 0))
+                    state = None
+                    if self._on_cpu:
+                        host_memory.release()  # the next group's fresh state would not reuse this one's
         self._verified_drafts = True  # as a fresh engine: the placeholders' drafts say nothing
 
     def placeholder_prompt(self, length: int) -> list[int]:
