@@ -278,22 +278,54 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def write_report(rows: list[dict], args) -> None:
+RATIO_METRICS = ("output_tokens_per_s", "per_user_tokens_per_s")
+
+
+def paired_ratios(rows: list[dict]) -> list[dict]:
+    """Each policy's throughput over `none`'s at each load level, paired by repeat (the two ran
+    back to back): the per-repeat ratios, their median, min and max. Empty without a `none` run."""
+    key = lambda r: (r["load"], r["value"], r.get("repeat", 0))  # noqa: E731
+    base = {key(r): r for r in rows if r["policy"] == "none"}
+    out = []
+    for policy in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "none"):
+        for load, value in dict.fromkeys((r["load"], r["value"]) for r in rows if r["policy"] == policy):
+            pairs = [(r, base[key(r)]) for r in rows
+                     if r["policy"] == policy and (r["load"], r["value"]) == (load, value) and key(r) in base]
+            for metric in RATIO_METRICS:
+                values = [a[metric] / b[metric] for a, b in pairs if a[metric] and b[metric]]
+                if values:
+                    out.append({"policy": policy, "load": load, "value": value, "metric": metric, "ratios": values,
+                                "median": float(np.median(values)), "min": min(values), "max": max(values)})
+    return out
+
+
+def ratio_line(r: dict) -> str:
+    each = ", ".join(f"{v:.3f}" for v in r["ratios"])
+    return (f"{r['policy']:>13} / none {r['load']:>11}={r['value']:<5} {r['metric']:<22} median {r['median']:.3f} "
+            f"(min {r['min']:.3f}, max {r['max']:.3f}; repeats {each})")
+
+
+def write_report(rows: list[dict], args, ratios: list[dict] = ()) -> None:
     out = Path(args.out)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    head = ("| policy | load | req/s | output tok/s | per-user tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | "
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows, "ratios": list(ratios)},
+                                                 indent=1))
+    head = ("| policy | load | repeat | req/s | output tok/s | per-user tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | "
             "ITL p50 (s) | E2E p50 / p99 (s) | goodput (req/s) | done / rejected / errors | accepted per draft |")
-    lines = [head, "|---|---|" + "--:|" * 10]
+    lines = [head, "|---|---|--:|" + "--:|" * 10]
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
         acc = r.get("server", {}).get("accepted_per_draft")
         lines.append(
-            f"| {r['policy']} | {r['load']} {r['value']} | {r['request_throughput']:.2f} | "
+            f"| {r['policy']} | {r['load']} {r['value']} | {r.get('repeat', 0)} | {r['request_throughput']:.2f} | "
             f"{r['output_tokens_per_s']:.1f} | {fmt(r['per_user_tokens_per_s'])} | "
             f"{fmt(r['ttft_s']['p50'])} / {fmt(r['ttft_s']['p99'])} | {fmt(r['tpot_s']['p50'])} / "
             f"{fmt(r['tpot_s']['p99'])} | {fmt(r['itl_s']['p50'])} | {fmt(r['e2e_s']['p50'])} / "
             f"{fmt(r['e2e_s']['p99'])} | {r['goodput']:.2f} | {r['completed']} / {r['rejected']} / {r['errors']} | "
             f"{fmt(acc)} |")
+    if ratios:
+        lines += ["", "| policy / none | load | metric | median | min | max | per repeat |", "|---|---|---|--:|--:|--:|---|"]
+        lines += [f"| {r['policy']} | {r['load']} {r['value']} | {r['metric']} | {r['median']:.3f} | {r['min']:.3f} | "
+                  f"{r['max']:.3f} | {', '.join(f'{v:.3f}' for v in r['ratios'])} |" for r in ratios]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -302,8 +334,14 @@ def write_report(rows: list[dict], args) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = [(r["per_user_tokens_per_s"], r["output_tokens_per_s"], r["value"]) for r in rows
-               if r["policy"] == policy and r["load"] == "concurrency" and r["per_user_tokens_per_s"]]
+        levels = dict.fromkeys(r["value"] for r in rows if r["policy"] == policy and r["load"] == "concurrency")
+        pts = []
+        for c in levels:  # the median over repeats at each level
+            runs = [r for r in rows if r["policy"] == policy and r["load"] == "concurrency" and r["value"] == c
+                    and r["per_user_tokens_per_s"]]
+            if runs:
+                pts.append((float(np.median([r["per_user_tokens_per_s"] for r in runs])),
+                            float(np.median([r["output_tokens_per_s"] for r in runs])), c))
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=policy)
             for x, y, c in pts:
@@ -345,22 +383,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--goodput-tpot", type=float, default=0.2, help="goodput: TPOT at most this (s)")
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over every policy and load level, the servers kept up, the order alternated: "
+                             "the report gives each policy / none ratio per repeat, median and range")
     parser.add_argument("--out", default="runs/serve-bench")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     random.seed(args.seed)
     os.makedirs(args.out, exist_ok=True)
     prompts = load_prompts(args.datasets, max(args.requests, 64), args.max_prompt_chars, args.seed)
     rows = []
     if args.address:
-        rows += run_levels(args.address, args.metrics_url, prompts, args)
+        for repeat in range(args.repeats):
+            rows += [dict(r, repeat=repeat) for r in run_levels(args.address, args.metrics_url, prompts, args)]
     else:
-        for policy in args.policies:
-            process, address, metrics_url = launch(policy, args)
-            try:
-                rows += run_levels(address, metrics_url, prompts, args)
-            finally:
+        # Every policy's server stays up (an idle one waits on a condition) and the repeats
+        # alternate the order, so the machine's drift hits each policy alike.
+        servers = {}
+        try:
+            for policy in args.policies:
+                servers[policy] = launch(policy, args)
+            for repeat in range(args.repeats):
+                order = args.policies if repeat % 2 == 0 else args.policies[::-1]
+                for policy in order:
+                    _, address, metrics_url = servers[policy]
+                    rows += [dict(r, repeat=repeat) for r in run_levels(address, metrics_url, prompts, args)]
+        finally:
+            for process, _, _ in servers.values():
                 stop(process)
-    write_report(rows, args)
+    ratios = paired_ratios(rows)
+    for r in ratios:
+        print(ratio_line(r), flush=True)
+    write_report(rows, args, ratios)
     print(f"wrote {args.out}/results.md, results.json, throughput.png")
     return 0
 

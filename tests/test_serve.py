@@ -292,6 +292,25 @@ def test_load_benchmark_against_a_running_server(server, tmp_path):
     assert (tmp_path / "throughput.png").stat().st_size > 0 and "| fixed |" in (tmp_path / "results.md").read_text()
 
 
+def test_benchmark_ratios_pair_each_repeat_with_none_at_the_same_load():
+    from serve.bench import paired_ratios
+
+    def row(policy, repeat, value, out, user):
+        return {"policy": policy, "repeat": repeat, "load": "concurrency", "value": value,
+                "output_tokens_per_s": out, "per_user_tokens_per_s": user}
+
+    rows = [row("none", 0, 1, 10.0, 10.0), row("dspark", 0, 1, 13.0, 15.0), row("none", 0, 16, 100.0, 5.0),
+            row("dspark", 0, 16, 90.0, 4.0), row("dspark", 1, 1, 12.0, 12.0), row("none", 1, 1, 8.0, 8.0),
+            row("dspark", 2, 1, 20.0, 20.0)]  # repeat 2 has no none run: not paired
+    got = {(r["value"], r["metric"]): r for r in paired_ratios(rows)}
+    assert set(got) == {(1, "output_tokens_per_s"), (1, "per_user_tokens_per_s"), (16, "output_tokens_per_s"),
+                        (16, "per_user_tokens_per_s")}
+    assert got[(1, "output_tokens_per_s")]["ratios"] == [1.3, 1.5] and got[(1, "output_tokens_per_s")]["median"] == 1.4
+    assert got[(1, "per_user_tokens_per_s")]["ratios"] == [1.5, 1.5]
+    assert got[(16, "output_tokens_per_s")]["ratios"] == [0.9] and got[(16, "per_user_tokens_per_s")]["max"] == 0.8
+    assert paired_ratios([r for r in rows if r["policy"] != "none"]) == []
+
+
 def test_soak_with_cancellations_deadlines_and_malformed_requests(server, tmp_path):
     """A short serve.soak run: no lost or duplicated response, malformed requests refused, and
     every slot and queue place free afterwards (the 5-minute run is the README's)."""
