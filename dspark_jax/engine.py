@@ -373,8 +373,7 @@ class Engine:
             programs = {id(self._steps.pop(k)) for k in dropped}
             for key in [k for k, p in self._programs.items() if id(p) in programs]:
                 del self._programs[key]
-            if self._on_cpu:
-                host_memory.release()  # profiling made a fresh slot state for every call
+            self._release_host_memory()  # profiling made a fresh slot state for every call
 
     @property
     def weights(self):
@@ -530,8 +529,8 @@ class Engine:
         """Compile every program a request can need ahead: the insert program for each prompt
         bucket and each batch size in `insert_batches` (powers of two), a step for each value in
         `rounds`, each attention span and row bucket, and free. A dspark policy without a cost
-        table profiles one (schedule.profile_sps) before compiling most of its step programs. On XLA:CPU the spans compiled are those that fit the memory-map limit
-        (_fit_spans_to_maps).
+        table profiles one (schedule.profile_sps) before compiling most of its step programs. On
+        XLA:CPU the spans compiled are those that fit the memory-map limit (_fit_spans_to_maps).
 
         With `execute`, each of them then also runs once on placeholder requests, every
         verification width of a step included (`_execute_programs`): an executable's first run
@@ -564,6 +563,11 @@ class Engine:
         if execute:
             self._execute_programs(rounds, insert_batches)
         return time.perf_counter() - start
+
+    def _release_host_memory(self) -> None:
+        """After dropping a fresh slot state on XLA:CPU, hand its freed pages back (host_memory)."""
+        if self._on_cpu:
+            host_memory.release()
 
     def _compile_step_group(self, rounds: int, span: int, rows: int) -> None:
         """The programs a step of this shape can need: the step, and under a gated policy the
@@ -617,8 +621,7 @@ class Engine:
                 if previous + 2 + self.extra_positions <= self.max_len:
                     jax.block_until_ready(self.insert_many(
                         self.new_state(), [(slot, placeholder(previous + 1), one) for slot in range(n)]))
-                    if self._on_cpu:
-                        host_memory.release()
+                    self._release_host_memory()
         budget = self.max_len - 1 - self.extra_positions  # a placeholder row never finishes early
         if budget < 1:
             return
@@ -655,9 +658,7 @@ class Engine:
                         state = self._step_program(int(r), span, self.policy, rows, shut=True)(
                             *self.weights, state, shut)[0]
                     jax.block_until_ready(self.free(state, 0))
-                    state = None
-                    if self._on_cpu:
-                        host_memory.release()  # the next group's fresh state would not reuse this one's
+                    self._release_host_memory()  # the next group's fresh state would not reuse this one's
         self._verified_drafts = True  # as a fresh engine: the placeholders' drafts say nothing
 
     def placeholder_prompt(self, length: int) -> list[int]:
