@@ -147,10 +147,7 @@ def stdlib_sources(root: str | None = None) -> list[str]:
     root = root or sysconfig.get_paths()["stdlib"]
     paths = []
     for folder, dirs, files in os.walk(root):
-        rel = os.path.relpath(folder, root)
-        dirs[:] = sorted(d for d in dirs if not d.startswith(STDLIB_SKIP) and d != "__pycache__")
-        if rel != "." and rel.split(os.sep)[0].startswith(STDLIB_SKIP):
-            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(STDLIB_SKIP) and d != "__pycache__")  # pruned walk
         paths += [os.path.join(folder, f) for f in sorted(files)
                   if f.endswith(".py") and not f.startswith(("test_", "_test")) and f != "__init__.py"]
     return sorted(paths)
@@ -164,10 +161,9 @@ def function_stub(node, min_doc: int = 40) -> str | None:
     doc = ast.get_docstring(node, clean=True)
     if node.name.startswith("_") or not doc or len(doc) < min_doc or len(node.body) < 2:
         return None
-    stub = ast.FunctionDef(name=node.name, args=node.args, returns=node.returns, decorator_list=[],
-                           body=[ast.Expr(ast.Constant(doc))], type_params=[], lineno=0, col_offset=0)
-    text = ast.unparse(stub)
-    head, _, _ = text.partition("\n")
+    header = ast.FunctionDef(name=node.name, args=node.args, returns=node.returns, decorator_list=[],
+                             body=[ast.Pass()], type_params=[], lineno=0, col_offset=0)
+    head = ast.unparse(header).partition("\n")[0]  # `def name(args) -> ann:`
     body = "\n".join("    " + line if line else "" for line in doc.splitlines())
     return f'{head}\n    """\n{body}\n    """\n'
 
