@@ -432,3 +432,56 @@ def test_fine_tune_trains_only_the_named_groups_from_a_drafter(tiny_train_data, 
         fit.run(dataclasses.replace(cfg, out=str(tmp_path / "bad"), train_only=("heads",)))
     with pytest.raises(SystemExit, match="is a dspark drafter, not dflash"):
         fit.run(dataclasses.replace(cfg, out=str(tmp_path / "bad2"), drafter="dflash"))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+def test_the_step_trains_on_the_drafters_own_layers_out_of_a_wider_cache(tiny_train_data, kind):
+    """A drafter that reads a subset of the cached layers (EAGLE-3's 1, 14, 27 out of the cache's
+    1, 8, 14, 20, 27) trains on exactly those: the loader's batch holds the target's features of
+    them, the step's loss depends on each, and EAGLE-3's loss equals the one computed from the
+    target's own forward. Until 2026-12-07 the step picked the layers a second time out of the
+    loader's already-picked ones and JAX clamped the index past the end: every EAGLE-3 drafter
+    trained on layers (1, 27, 27) while the engine drafted from (1, 14, 27)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.drafters import drafter_module, eagle3
+    from dspark_jax.models.transformer import forward
+    from train import data as data_lib
+    from train import features as features_lib
+    from train.loader import SequenceData
+
+    cached = (0, 1, 2)  # all three layers of the tiny target; the drafter reads the last two
+    features_lib.run(features_lib.FeaturesConfig(data=tiny_train_data, layers=cached, splits=("validation",)))
+    target = data_lib.data_target(tiny_train_data, None)
+    tcfg = target.config
+    cfg = _cfg(tiny_train_data, "unused", drafter=kind, feature_layers=cached, target_layer_ids=(1, 2))
+    dcfg = fit.drafter_config(cfg, tcfg)
+    data = SequenceData(tiny_train_data, cached, "validation", cfg.seq_len)
+    batch = {k: jnp.asarray(v) for k, v in vars(data.batch(np.arange(len(data)), dcfg.target_layer_ids)).items()}
+
+    own = np.zeros(batch["features"].shape, np.float32)  # [b, T, 2, e]: each row's own forward
+    for r, (toks, _, _, _) in enumerate(data.rows):
+        n = min(len(toks), cfg.seq_len)
+        _, _, feats = forward(target.params, tcfg, jnp.asarray(toks[None, :n]), jnp.arange(n)[None], None, (1, 2))
+        own[r, :n] = np.asarray(feats[0])
+    np.testing.assert_allclose(np.asarray(batch["features"], np.float32), own, rtol=2e-2, atol=2e-2)  # bf16 cache
+
+    params = {**drafter_module(kind).init_params(jax.random.PRNGKey(0), tcfg, dcfg),
+              "draft_vocab": jnp.asarray(data_lib.load_draft_vocab(tiny_train_data, 64), jnp.int32)}
+    loss_fn = jax.jit(fit.make_loss_fn(kind, tcfg, dcfg, cfg))
+    key = jax.random.PRNGKey(3)
+    loss = float(loss_fn(params, {}, target.params, batch, key)[0])
+    assert loss > 0
+    for layer in range(2):  # each layer the drafter reads moves its loss
+        blanked = {**batch, "features": batch["features"].at[:, :, layer].set(0.0)}
+        assert abs(float(loss_fn(params, {}, target.params, blanked, key)[0]) - loss) > 1e-5, layer
+    if kind == "eagle3":
+        mask = batch["mask"]
+        rows, row_valid = fit.sample_anchors(key, jnp.concatenate([mask[:, 1:], mask[:, :1] & False], axis=1),
+                                             cfg.anchors)
+        logits = eagle3.train_draft_logits(params, target.params, tcfg, dcfg, batch["tokens"], jnp.asarray(own),
+                                           cfg.eagle_steps, rows)
+        want = eagle3.eagle3_loss(logits, batch["tokens"], mask, draft_vocab=params["draft_vocab"],
+                                  vocab_size=tcfg.vocab_size, rows=rows, row_valid=row_valid)
+        np.testing.assert_allclose(loss, float(want), rtol=2e-3)

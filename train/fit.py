@@ -227,8 +227,9 @@ def per_position(values, weight):
     return jnp.sum(values * weight, axis=axes) / jnp.maximum(jnp.sum(weight, axis=axes), 1e-9)
 
 
-def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig, feature_pick):
-    """loss(trainable, frozen, target_params, batch, key) -> (loss, metrics)."""
+def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig):
+    """loss(trainable, frozen, target_params, batch, key) -> (loss, metrics). batch["features"]
+    holds the drafter's own layers (dcfg.target_layer_ids, in order), as the loader picks them."""
     import jax
     import jax.numpy as jnp
 
@@ -240,7 +241,7 @@ def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig, feature_pick):
         params = {**trainable, **frozen}
         draft_vocab = params.get("draft_vocab")
         tokens, mask = batch["tokens"], batch["mask"]
-        feats = batch["features"][:, :, feature_pick].astype(jnp.float32)  # [b, T, m, e]
+        feats = batch["features"].astype(jnp.float32)  # [b, T, m, e]
         if kind == "eagle3":
             # Rows i whose first prediction, token i+2, is supervised; the same count per sequence
             # as DSpark's anchors (row i drafts from anchor i+1), so both see the same terms.
@@ -349,7 +350,6 @@ def build(cfg: FitConfig, target, mesh, draft_vocab, init=None) -> Training:
     rules = sharding.TRAIN_RULES
     tcfg = target.config
     dcfg = drafter_config(cfg, tcfg) if init is None else init.config
-    feature_pick = tuple(cfg.feature_layers.index(l) for l in dcfg.target_layer_ids)
     module = drafter_module(cfg.drafter)
     if init is not None:
         params = dict(init.params)
@@ -372,7 +372,7 @@ def build(cfg: FitConfig, target, mesh, draft_vocab, init=None) -> Training:
     state_shardings = {"params": param_shardings, "opt_state": opt_shardings, "step": replicated}
     state = {"params": trainable, "opt_state": opt_state, "step": jnp.zeros((), jnp.int32)}
     state = jax.device_put(state, state_shardings)  # as the step returns it, so step 2 does not recompile
-    loss_fn = make_loss_fn(cfg.drafter, tcfg, dcfg, cfg, feature_pick)
+    loss_fn = make_loss_fn(cfg.drafter, tcfg, dcfg, cfg)
 
     def train_step(state, frozen, target_params, batch):
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), state["step"])
