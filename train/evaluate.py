@@ -6,12 +6,13 @@
 
 tau is the mean number of tokens a verification round commits (accepted drafts + 1), over the
 rounds that verified the whole block, for every prompt of a dataset, through the Engine at the
-given temperature and block size, with a 95 % bootstrap interval over the prompts. The speedup is plain generate against speculative generate on
-the same prompts (greedy, batch 1 and 8, tokens per second excluding compilation; the first
---speed-prompts prompts in groups of the batch size, best of --repeats alternating runs each), on
---speed-datasets, under each of --speed-policies ("fixed": every round verifies G; "dspark":
-the load-aware scheduler, which also decides when drafting does not pay). Writes
-`results.md` (the tables), `results.json` and `tau.png` under --out.
+given temperature and block size, with a 95 % bootstrap interval over the prompts. The speedup
+is plain generate against speculative generate on the same prompts (greedy, batch 1 and 8,
+tokens per second excluding compilation; the first --speed-prompts prompts in groups of the
+batch size, best of --repeats alternating runs each), on --speed-datasets, under each of
+--speed-policies ("fixed": every round verifies G; "dspark": the load-aware scheduler, which
+also decides when drafting does not pay). Writes `results.md` (the tables), `results.json` and
+`tau.png` under --out.
 """
 
 from __future__ import annotations

@@ -241,6 +241,9 @@ def make_loss_fn(kind: str, tcfg, dcfg, cfg: FitConfig):
         params = {**trainable, **frozen}
         draft_vocab = params.get("draft_vocab")
         tokens, mask = batch["tokens"], batch["mask"]
+        if batch["features"].shape[2] != len(dcfg.target_layer_ids):  # at trace time
+            raise ValueError(f"the batch holds {batch['features'].shape[2]} feature layers, the drafter reads "
+                             f"{len(dcfg.target_layer_ids)} ({list(dcfg.target_layer_ids)})")
         feats = batch["features"].astype(jnp.float32)  # [b, T, m, e]
         if kind == "eagle3":
             # Rows i whose first prediction, token i+2, is supervised; the same count per sequence
