@@ -479,7 +479,7 @@ def test_the_step_trains_on_the_drafters_own_layers_out_of_a_wider_cache(tiny_tr
         assert abs(float(loss_fn(params, {}, target.params, blanked, key)[0]) - loss) > 1e-5, layer
     if kind == "eagle3":
         mask = batch["mask"]
-        rows, row_valid = fit.sample_anchors(key, jnp.concatenate([mask[:, 1:], mask[:, :1] & False], axis=1),
+        rows, row_valid = fit.sample_anchors(key, jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1),
                                              cfg.anchors)
         logits = eagle3.train_draft_logits(params, target.params, tcfg, dcfg, batch["tokens"], jnp.asarray(own),
                                            cfg.eagle_steps, rows)

@@ -84,16 +84,16 @@ def acceptance(engine, prompts, temperature: float, cfg: EvaluateConfig) -> dict
     params = [SamplingParams(temperature=temperature, seed=cfg.seed + i, max_new_tokens=cfg.max_new_tokens)
               for i in range(len(prompts))]
     results = run_requests(engine, prompts, params)
-    accepted = np.concatenate([np.asarray(r.round_accepted, np.int64) for r in results])
-    lengths = np.concatenate([np.asarray(r.round_lengths, np.int64) for r in results])
+    per_prompt = [(np.asarray(r.round_accepted, np.int64), np.asarray(r.round_lengths, np.int64)) for r in results]
+    accepted = np.concatenate([a for a, _ in per_prompt])
+    lengths = np.concatenate([l for _, l in per_prompt])
     k = np.arange(block_size)[None, :]
     reached = (accepted[:, None] >= k) & (lengths[:, None] > k)  # position k+1 tested: k accepted, l > k
     took = accepted[:, None] > k
     whole = accepted[lengths == block_size]
     # Per prompt: whole-block rounds and the tokens they committed, for the interval over prompts.
-    rounds = np.array([np.sum(np.asarray(r.round_lengths) == block_size) for r in results], np.float64)
-    committed = np.array([np.sum((np.asarray(r.round_accepted) + 1)[np.asarray(r.round_lengths) == block_size])
-                          for r in results], np.float64)
+    rounds = np.array([np.sum(l == block_size) for _, l in per_prompt], np.float64)
+    committed = np.array([np.sum(a[l == block_size] + 1) for a, l in per_prompt], np.float64)
     return {"tau": float(np.mean(whole + 1)) if len(whole) else float("nan"), "rounds": int(len(whole)),
             "tau_ci95": prompt_bootstrap_interval(committed, rounds, seed=cfg.seed),
             "acceptance_per_position": (took.sum(0) / np.maximum(reached.sum(0), 1)).tolist()}
@@ -154,7 +154,7 @@ def markdown(results: dict) -> str:
              "|---|---|--:|--:|--:|--:|---|"]
     for r in results["acceptance"]:
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-        lo, hi = r.get("tau_ci95", (float("nan"),) * 2)
+        lo, hi = r["tau_ci95"]
         lines.append(f"| {r['drafter']} | {r['dataset']} | {r['temperature']:g} | {r['block_size']} | {r['tau']:.3f} | "
                      f"{lo:.3f}-{hi:.3f} | {per} |")
     if results["speed"]:
