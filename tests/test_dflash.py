@@ -371,3 +371,34 @@ def test_copy_target_layers_takes_the_last_layers(tcfg):
     too_deep = _dcfg(num_layers=tcfg.num_layers + 1)
     with pytest.raises(DrafterConfigError, match="cannot copy"):
         dflash.copy_target_layers(dflash.init_params(jax.random.PRNGKey(4), tcfg, too_deep), tp, too_deep)
+
+
+def test_grown_layers_start_as_the_identity_and_then_train():
+    """A drafter grown by a layer outputs exactly what it did (the new layer's wo / w_down are
+    zero), keeps its trained layers in front, and the new layer's output projections get a
+    gradient, so training can use it. Shrinking is refused."""
+    from dspark_jax.drafters.config import DrafterConfigError
+
+    tcfg, dcfg, tp, dp, tokens, feats = _setup(dcfg=_dcfg(num_layers=1), batch=1)
+    grown_cfg = _dcfg(num_layers=3)
+    grown = dflash.grow_layers(jax.random.PRNGKey(9), dp, tcfg, dcfg, 3)
+    anchors = jnp.array([[2, 9]], jnp.int32)
+    before = _train(dp, tp, tcfg, dcfg, tokens, feats, anchors)
+    after = _train(grown, tp, tcfg, grown_cfg, tokens, feats, anchors)
+    for name in ("logits", "confidence_logits", "hidden"):
+        np.testing.assert_allclose(np.asarray(after[name]), np.asarray(before[name]), atol=1e-5, err_msg=name)
+    for name, value in grown["layers"].items():
+        assert value.shape[0] == 3
+        np.testing.assert_array_equal(np.asarray(value[:1]), np.asarray(dp["layers"][name]), err_msg=name)
+    assert np.abs(np.asarray(grown["layers"]["wq"][1:])).max() > 0  # fresh, not copies of zeros
+
+    def loss(layers):
+        out = _train({**grown, "layers": layers}, tp, tcfg, grown_cfg, tokens, feats, anchors)
+        return jnp.sum(out["logits"] ** 2)
+
+    grads = jax.grad(loss)(grown["layers"])
+    for name in ("wo", "w_down"):
+        assert np.abs(np.asarray(grads[name][1:])).max() > 1e-6, name
+    assert dflash.grow_layers(jax.random.PRNGKey(9), dp, tcfg, dcfg, 1) is dp
+    with pytest.raises(DrafterConfigError, match="cannot grow"):
+        dflash.grow_layers(jax.random.PRNGKey(9), grown, tcfg, grown_cfg, 2)

@@ -435,6 +435,32 @@ def test_fine_tune_trains_only_the_named_groups_from_a_drafter(tiny_train_data, 
         fit.run(dataclasses.replace(cfg, out=str(tmp_path / "bad2"), drafter="dflash"))
 
 
+def test_a_larger_num_layers_grows_the_init_drafters_backbone(tiny_train_data, tmp_path, dspark_run):
+    """--init-from D --num-layers 2 (D has 1): training starts from D's drafts exactly (its
+    validation equals D's own last one), the export has 2 layers, and both layers train.
+    Shrinking is refused by name."""
+    from dspark_jax.drafters import load_drafter
+
+    summary, out = dspark_run
+    start = _exported(summary["drafter"])
+    cfg = _cfg(tiny_train_data, tmp_path / "grow", init_from=summary["drafter"], num_layers=2, eval_every=2)
+    grown = fit.run(cfg)
+    with open(tmp_path / "grow" / "init_validation.json") as f:
+        init_val = json.load(f)
+    last = [r for r in fit.read_log(os.path.join(out, "log.jsonl")) if "val_loss" in r][-1]
+    assert init_val["val_loss"] == pytest.approx(last["val_loss"], rel=1e-5)
+    assert init_val["val_accept_top1_per_pos"] == pytest.approx(last["val_accept_top1_per_pos"], abs=1e-6)
+    assert load_drafter(grown["drafter"]).config.num_layers == 2
+    after = _exported(grown["drafter"])
+    for name in ("wo", "w_down"):
+        key = f"['layers']['{name}']"
+        assert after[key].shape[0] == 2 and np.abs(after[key][1]).max() > 0, name  # the new layer moved off zero
+        assert not np.array_equal(after[key][:1], start[key]), name  # the old one trained too
+
+    with pytest.raises(SystemExit, match="cannot grow a 2-layer drafter to 1 layers"):
+        fit.run(dataclasses.replace(cfg, out=str(tmp_path / "shrink"), init_from=grown["drafter"], num_layers=1))
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
 def test_the_step_trains_on_the_drafters_own_layers_out_of_a_wider_cache(tiny_train_data, kind):
     """A drafter that reads a subset of the cached layers (EAGLE-3's 1, 14, 27 out of the cache's

@@ -89,7 +89,8 @@ class FitConfig:
     (trained worse than random on smollm2-135m: train/results/2026-12-02-init-target)."""
     init_from: str | None = None
     """Start from this drafter (checkpoint folder or shipped name) instead of a random init: its
-    config replaces the drafter fields above and its draft vocabulary the data's."""
+    config replaces the drafter fields above (but a larger --num-layers grows its backbone by
+    layers that start as the identity) and its draft vocabulary the data's."""
     train_only: tuple[str, ...] = ()
     """Train only these top-level parameter groups (e.g. `confidence`); the others stay frozen and
     out of the optimizer state. Empty: train everything."""
@@ -154,10 +155,14 @@ def check_config(cfg: FitConfig) -> None:
 
 
 def load_init(cfg: FitConfig, tcfg):
-    """The --init-from drafter (params in float32 for training), or None."""
+    """The --init-from drafter (params in float32 for training), or None; with a larger
+    --num-layers its backbone grown by layers that start as the identity (dflash.grow_layers)."""
+    import jax
     import jax.numpy as jnp
 
     from dspark_jax.drafters import DrafterMismatchError, cast_floats, load_drafter
+    from dspark_jax.drafters.config import DrafterConfigError
+    from dspark_jax.drafters.dflash import grow_layers
 
     if cfg.init_from is None:
         return None
@@ -173,6 +178,14 @@ def load_init(cfg: FitConfig, tcfg):
         raise SystemExit(f"--init-from {cfg.init_from} reads target layers {missing}, not among --feature-layers "
                          f"{list(cfg.feature_layers)}")
     init.params = cast_floats(init.params, jnp.float32)
+    if cfg.num_layers is not None and cfg.num_layers != init.config.num_layers:
+        if cfg.drafter == "eagle3":
+            raise SystemExit("--num-layers with --init-from grows a DSpark / DFlash backbone; EAGLE-3 has one layer")
+        try:
+            init.params = grow_layers(jax.random.PRNGKey(cfg.seed), init.params, tcfg, init.config, cfg.num_layers)
+        except DrafterConfigError as err:
+            raise SystemExit(f"--num-layers: {err}") from None
+        init.config = dataclasses.replace(init.config, num_layers=cfg.num_layers)
     return init
 
 

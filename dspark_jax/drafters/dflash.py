@@ -115,6 +115,26 @@ def copy_target_layers(params: dict, target_params: dict, dcfg: DrafterConfig) -
     return {**params, "layers": copied, "final_norm": final_norm}
 
 
+def grow_layers(key: jax.Array, params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, num_layers: int) -> dict:
+    """`params` (a trained drafter of dcfg.num_layers layers) with fresh layers appended up to
+    num_layers. Each new layer's output projections (wo, w_down) start at zero, so it adds
+    nothing to the residual stream and the grown drafter drafts exactly as the trained one did
+    until training moves them: a deeper backbone continues from a trained one instead of
+    starting over (train.fit --init-from NAME --num-layers N)."""
+    have = dcfg.num_layers
+    if num_layers < have:
+        raise DrafterConfigError(f"cannot grow a {have}-layer drafter to {num_layers} layers")
+    if num_layers == have:
+        return params
+    fresh = init_params(key, tcfg, dataclasses.replace(dcfg, num_layers=num_layers - have))["layers"]
+    fresh = {**fresh, "wo": jnp.zeros_like(fresh["wo"]), "w_down": jnp.zeros_like(fresh["w_down"])}
+    old = params["layers"]
+    if set(fresh) != set(old):
+        raise DrafterConfigError(f"the drafter's layers hold {sorted(old)}, new layers {sorted(fresh)}")
+    grown = {name: jnp.concatenate([old[name], fresh[name].astype(old[name].dtype)]) for name in old}
+    return {**params, "layers": grown}
+
+
 def init_state(params: dict, tcfg: ModelConfig, dcfg: DrafterConfig, batch: int, cache_len: int) -> DFlashState:
     shape = (dcfg.num_layers, batch, tcfg.num_kv_heads, cache_len, tcfg.head_dim)
     dtype = params["w_c"].dtype
