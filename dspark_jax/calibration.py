@@ -136,6 +136,17 @@ def _fit_log_loss(prefix: np.ndarray, z: np.ndarray, s: np.ndarray, grid: np.nda
     return best
 
 
+def ece_floor(probs: np.ndarray, draws: int = 50, seed: int = 0) -> float:
+    """The ECE a perfectly calibrated head with these confidences [n] would measure: the mean
+    ECE of labels drawn as Bernoulli(probs). Binned ECE is biased upwards by sampling noise
+    (about 0.4 sqrt(bins / n) near p = 1/2), so a measured ECE is only as small as this floor
+    allows; more rounds lower it. Rounds of one prompt are correlated, so the real floor is
+    higher still."""
+    rng = np.random.default_rng(seed)
+    probs = np.asarray(probs, np.float64)
+    return float(np.mean([ece(probs, rng.random(probs.shape) < probs) for _ in range(draws)]))
+
+
 def metrics_per_position(probs: np.ndarray, survival: np.ndarray) -> list[dict]:
     """[{"ece", "auroc", "brier", "rate", "mean_conf"}] per position."""
     return [dict(ece=ece(probs[:, k], survival[:, k]), auroc=auroc(probs[:, k], survival[:, k]),

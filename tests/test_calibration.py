@@ -107,3 +107,24 @@ def test_ece_over_prompt_halves_draws_whole_prompts():
     possible = {abs(k / 5 - 0.5) for k in range(6)}
     assert min(abs(lo - p) for p in possible) < 1e-6 and min(abs(hi - p) for p in possible) < 1e-6
     assert hi >= 0.3 and 0.0 < mean < hi
+
+
+def test_ece_floor_is_what_a_calibrated_head_measures_and_shrinks_with_rounds():
+    """Labels drawn from the confidences themselves (a perfectly calibrated head) measure an ECE
+    near the floor, not zero; the floor is the normal approximation of each bin's binomial noise
+    and falls as 1 / sqrt(n);
+    a head off by 0.05 everywhere measures far above it."""
+    rng = np.random.default_rng(5)
+    floors = {}
+    for n in (2000, 32000):
+        p = rng.uniform(0.2, 0.8, n)
+        floors[n] = cal.ece_floor(p, draws=40, seed=1)
+        measured = [cal.ece(p, rng.random(n) < p) for _ in range(40)]
+        assert abs(np.mean(measured) - floors[n]) < 0.2 * floors[n]
+        assert cal.ece(np.clip(p + 0.05, 0, 1), rng.random(n) < p) > floors[n] + 0.03
+        # Independent estimate: per bin, E|mean(y) - mean(p)| of a normal with the bin's binomial spread.
+        which = np.minimum((p * cal.ECE_BINS).astype(int), cal.ECE_BINS - 1)
+        normal = sum(np.sqrt(2 / np.pi) * np.sqrt(np.sum(p[which == b] * (1 - p[which == b]))) / n
+                     for b in np.unique(which))
+        assert floors[n] == pytest.approx(normal, rel=0.1)
+    assert floors[2000] / floors[32000] == pytest.approx(4.0, rel=0.2)

@@ -164,8 +164,10 @@ def test_fit_then_calibrate_then_evaluate(tiny_train_data, tmp_path, monkeypatch
                                                      max_new_tokens=12, slots=4))
     temps = report["temperatures"]
     assert len(temps) == 3 and all(t > 0 for t in temps) and report["rounds"] > 0
-    assert len(report["before"]) == len(report["after"]) == 3
+    assert len(report["before"]) == len(report["after"]) == len(report["ece_floor_after"]) == 3
     assert os.path.isfile(os.path.join(summary["drafter"], "reliability.png"))
+    with open(os.path.join(summary["drafter"], "calibration.md")) as f:
+        assert "ECE floor" in f.read()
     # In waves (a full batch at a time over one row bucket, for accelerators) the same rounds are
     # verified with the same outcomes.
     shutil.copytree(dspark_run[0]["drafter"], tmp_path / "waves")

@@ -103,6 +103,7 @@ def calibrate(z: np.ndarray, accepted: np.ndarray, request: np.ndarray, shift: b
             "raw_all_rounds": cal.metrics_per_position(raw, survival),
             "raw_ece_prompt_halves": ece_over_prompt_halves(raw, survival, request),
             "after": cal.metrics_per_position(after, survival[test_rows]),
+            "ece_floor_after": [cal.ece_floor(after[:, k]) for k in range(g)],
             "curves": {"before": reliability(before, survival[test_rows]), "after": reliability(after, survival[test_rows])}}
 
 
@@ -142,12 +143,16 @@ def reliability(probs: np.ndarray, survival: np.ndarray, bins: int = cal.ECE_BIN
 
 
 def table(report: dict) -> str:
-    lines = ["| k | survival rate | ECE before | ECE after | AUROC before | AUROC after | Brier before | Brier after "
-             "| T_k | b_k |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    shifts = report.get("shifts") or [0.0] * len(report["temperatures"])
-    for k, (b, a, t, sh) in enumerate(zip(report["before"], report["after"], report["temperatures"], shifts), 1):
-        lines.append(f"| {k} | {b['rate']:.3f} | {100 * b['ece']:.2f} % | {100 * a['ece']:.2f} % | {b['auroc']:.3f} | "
-                     f"{a['auroc']:.3f} | {b['brier']:.4f} | {a['brier']:.4f} | {t:.3f} | {sh:+.2f} |")
+    """Per position; "ECE floor" is what a perfectly calibrated head would measure on these rounds."""
+    lines = ["| k | survival rate | ECE before | ECE after | ECE floor | AUROC before | AUROC after | Brier before "
+             "| Brier after | T_k | b_k |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    g = len(report["temperatures"])
+    shifts = report.get("shifts") or [0.0] * g
+    floors = report.get("ece_floor_after") or [float("nan")] * g
+    for k, (b, a, fl, t, sh) in enumerate(zip(report["before"], report["after"], floors, report["temperatures"],
+                                              shifts), 1):
+        lines.append(f"| {k} | {b['rate']:.3f} | {100 * b['ece']:.2f} % | {100 * a['ece']:.2f} % | {100 * fl:.2f} % | "
+                     f"{b['auroc']:.3f} | {a['auroc']:.3f} | {b['brier']:.4f} | {a['brier']:.4f} | {t:.3f} | {sh:+.2f} |")
     return "\n".join(lines)
 
 
