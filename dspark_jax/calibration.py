@@ -139,7 +139,7 @@ def _fit_log_loss(prefix: np.ndarray, z: np.ndarray, s: np.ndarray, grid: np.nda
 def ece_floor(probs: np.ndarray, draws: int = 50, seed: int = 0) -> float:
     """The ECE a perfectly calibrated head with these confidences [n] would measure: the mean
     ECE of labels drawn as Bernoulli(probs). Binned ECE is biased upwards by sampling noise
-    (about 0.4 sqrt(bins / n) near p = 1/2), so a measured ECE is only as small as this floor
+    (about 0.4 sqrt(occupied bins / n) for p near 1/2), so a measured ECE is only as small as this floor
     allows; more rounds lower it. Rounds of one prompt are correlated, so the real floor is
     higher still."""
     rng = np.random.default_rng(seed)

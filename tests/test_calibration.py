@@ -112,8 +112,7 @@ def test_ece_over_prompt_halves_draws_whole_prompts():
 def test_ece_floor_is_what_a_calibrated_head_measures_and_shrinks_with_rounds():
     """Labels drawn from the confidences themselves (a perfectly calibrated head) measure an ECE
     near the floor, not zero; the floor is the normal approximation of each bin's binomial noise
-    and falls as 1 / sqrt(n);
-    a head off by 0.05 everywhere measures far above it."""
+    and falls as 1 / sqrt(n); a head off by 0.05 everywhere measures far above it."""
     rng = np.random.default_rng(5)
     floors = {}
     for n in (2000, 32000):

@@ -148,9 +148,8 @@ def table(report: dict) -> str:
              "| Brier after | T_k | b_k |", "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     g = len(report["temperatures"])
     shifts = report.get("shifts") or [0.0] * g
-    floors = report.get("ece_floor_after") or [float("nan")] * g
-    for k, (b, a, fl, t, sh) in enumerate(zip(report["before"], report["after"], floors, report["temperatures"],
-                                              shifts), 1):
+    for k, (b, a, fl, t, sh) in enumerate(zip(report["before"], report["after"], report["ece_floor_after"],
+                                              report["temperatures"], shifts), 1):
         lines.append(f"| {k} | {b['rate']:.3f} | {100 * b['ece']:.2f} % | {100 * a['ece']:.2f} % | {100 * fl:.2f} % | "
                      f"{b['auroc']:.3f} | {a['auroc']:.3f} | {b['brier']:.4f} | {a['brier']:.4f} | {t:.3f} | {sh:+.2f} |")
     return "\n".join(lines)
