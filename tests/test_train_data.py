@@ -243,3 +243,25 @@ def test_an_interrupted_first_run_keeps_its_settings(tiny_chat_dir, tmp_path, mo
     with pytest.raises(SystemExit, match="temperature"):
         data.run(dataclasses.replace(cfg, temperature=1.0))
     assert data.run(cfg)["sequences"]["train"] + data.run(cfg)["sequences"]["validation"] == 10
+
+
+def test_a_prompt_length_window_takes_exactly_the_prompts_a_shorter_limit_left(tmp_path):
+    """--min-prompt-tokens (last --max-prompt-tokens + 1) selects the prompts an earlier run skipped
+    and none it took, so a new folder's conversations are unseen by drafters trained on the old."""
+    from dspark_jax import load_target
+
+    tokenizer = load_target("smollm2-135m").tokenizer
+    convs = [sources.Conversation(conversation_id=f"c{i}", record_id=f"c{i}_0", prompt="word " * (4 * i + 1))
+             for i in range(12)]
+
+    def chosen(**kw):
+        cfg = data.DataConfig(conversations=100, val_fraction=0.0, **kw)
+        return {e.conversation_id: len(e.prompt_ids) for e in data.select_examples(cfg, tokenizer, convs)["train"]}
+
+    short, window, both = chosen(max_prompt_tokens=32), chosen(min_prompt_tokens=33, max_prompt_tokens=48), \
+        chosen(max_prompt_tokens=48)
+    assert short and window and not set(short) & set(window)
+    assert {**short, **window} == both
+    assert all(33 <= n <= 48 for n in window.values())
+    with pytest.raises(SystemExit, match="--min-prompt-tokens 49"):
+        data.run(data.DataConfig(out=str(tmp_path / "d"), min_prompt_tokens=49, max_prompt_tokens=48))

@@ -57,6 +57,10 @@ class DataConfig:
     shard_size: int = 128
     val_fraction: float = 0.05
     max_prompt_tokens: int = 192
+    min_prompt_tokens: int = 0
+    """Skip prompts shorter than this. With the last run's --max-prompt-tokens + 1 (and a larger
+    --max-prompt-tokens) a new --out holds prompts no earlier run took: the first turns are all
+    taken at 192, and this is where unseen ShareGPT conversations are left."""
     max_new_tokens: int = 256
     slots: int = 32
     rounds_per_step: int = 8
@@ -75,7 +79,8 @@ class DataConfig:
 
     def generation_key(self) -> dict:
         """The fields a shard's content depends on: resuming with others would mix data."""
-        keys = ("model", "source", "sharegpt", "turns", "shard_size", "val_fraction", "max_prompt_tokens", "max_new_tokens",
+        keys = ("model", "source", "sharegpt", "turns", "shard_size", "val_fraction", "max_prompt_tokens",
+                "min_prompt_tokens", "max_new_tokens",
                 "temperature", "seed", "dtype")
         return {k: getattr(self, k) for k in keys}
 
@@ -166,7 +171,7 @@ def select_examples(cfg: DataConfig, tokenizer, conversations) -> dict[str, list
         if taken >= cfg.conversations:
             break
         ids = fitted_prompt(tokenizer, conv, cfg.max_prompt_tokens)
-        if ids is None:
+        if ids is None or len(ids) < cfg.min_prompt_tokens:
             continue
         split = "validation" if is_validation(conv.conversation_id, cfg.val_fraction) else "train"
         out[split].append(Example(conversation_id=conv.conversation_id, prompt_ids=ids, seed=cfg.seed * 1_000_003 + taken))
@@ -277,6 +282,9 @@ def run(cfg: DataConfig) -> dict:
     from dspark_jax import Engine, load_target
     from train.sources import sharegpt_first_turns, sharegpt_later_turns, stdlib_function_stubs
 
+    if not 0 <= cfg.min_prompt_tokens <= cfg.max_prompt_tokens:
+        raise SystemExit(f"--min-prompt-tokens {cfg.min_prompt_tokens} must be in [0, --max-prompt-tokens "
+                         f"{cfg.max_prompt_tokens}]")
     check_meta(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     meta_path = os.path.join(cfg.out, META)
