@@ -58,9 +58,11 @@ class DataConfig:
     val_fraction: float = 0.05
     max_prompt_tokens: int = 192
     min_prompt_tokens: int = 0
-    """Skip prompts shorter than this. With the last run's --max-prompt-tokens + 1 (and a larger
-    --max-prompt-tokens) a new --out holds prompts no earlier run took: the first turns are all
-    taken at 192, and this is where unseen ShareGPT conversations are left."""
+    """Skip prompts shorter than this. For first turns (no context to fit), the last run's
+    --max-prompt-tokens + 1 and a larger --max-prompt-tokens give a new --out prompts no earlier
+    run took: the first turns are all taken at 192, and this is where unseen ShareGPT
+    conversations are left. Later turns fit more context under a larger limit, so there the
+    window is not disjoint from the earlier run."""
     max_new_tokens: int = 256
     slots: int = 32
     rounds_per_step: int = 8

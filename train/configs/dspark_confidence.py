@@ -10,6 +10,10 @@ weights learn, so the drafts (and tau) are exactly the shipped drafter's. Calibr
     python -m train.features --data data/smollm2-135m --splits train --first-shard 31 --train-shards 10
     python -m train.features --data data/smollm2-135m --splits validation
     python -m train.fit --config train/configs/dspark_confidence.py
+
+The shipped head was last refit with this config on 2026-12-07g, on unseen conversations from
+another folder (`--data data/smollm2-135m-long --first-shard 0 --train-shards None --seq-len 640
+--steps 200`): train/results/2026-12-07g-confidence-unseen/run.sh.
 """
 from train.fit import FitConfig
 
